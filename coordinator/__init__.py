@@ -1,0 +1,1 @@
+"""Coordinator: runs speculative rounds against the draft and target services."""

@@ -1,0 +1,1 @@
+"""Draft service: proposes K tokens and the laws they were sampled from."""

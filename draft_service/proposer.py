@@ -1,0 +1,74 @@
+"""Domain logic of the draft: sample K tokens autoregressively, keeping each law q_i."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.runner import ModelRunner
+from specdec.sampling import Sampling, normalize, sample_token, to_wire, warp_logits
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    session_id: str
+    prefix_token_ids: list[int]
+    num_draft_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    draft_token_ids: list[int]
+    draft_probs: np.ndarray  # [K, V] float32: exactly the law each token was drawn from
+    cached_tokens: int
+
+
+def _uniforms(seed: int, count: int) -> np.ndarray:
+    return np.random.Generator(np.random.PCG64(seed)).random(count)
+
+
+def _draw(probs_wire: np.ndarray, uniform: float) -> int:
+    # Sample from the float32 array we send, normalised as the coordinator will:
+    # the q it scores with is then the very law this token came from.
+    return sample_token(normalize(probs_wire), uniform)
+
+
+def propose(runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling) -> list[DraftProposal]:
+    if len(requests) == 1:
+        return [_propose_cached(runner, requests[0], sampling)]
+    return _propose_batch(runner, requests, sampling)
+
+
+def _propose_cached(runner: ModelRunner, request: DraftRequest, sampling: Sampling) -> DraftProposal:
+    """One sequence: each step extends the session's KV cache by one token."""
+    uniforms = _uniforms(request.seed, request.num_draft_tokens)
+    tokens: list[int] = []
+    rows: list[np.ndarray] = []
+    cached = 0
+    for step in range(request.num_draft_tokens):
+        result = runner.last_logits(request.session_id, request.prefix_token_ids + tokens, 1)
+        if step == 0:
+            cached = result.cached_tokens
+        probs = to_wire(warp_logits(result.logits, sampling))[0]
+        tokens.append(_draw(probs, uniforms[step]))
+        rows.append(probs)
+    return DraftProposal(tokens, np.stack(rows), cached)
+
+
+def _propose_batch(runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling) -> list[DraftProposal]:
+    """Independent sequences in lockstep padded forwards (no cache: short samples)."""
+    uniforms = [_uniforms(r.seed, r.num_draft_tokens) for r in requests]
+    tokens: list[list[int]] = [[] for _ in requests]
+    rows: list[list[np.ndarray]] = [[] for _ in requests]
+    for step in range(max(r.num_draft_tokens for r in requests)):
+        active = [i for i, r in enumerate(requests) if r.num_draft_tokens > step]
+        logits = runner.batch_last_logits([requests[i].prefix_token_ids + tokens[i] for i in active], [1] * len(active))
+        probs = to_wire(warp_logits(torch.cat(logits), sampling))
+        for row, i in enumerate(active):
+            tokens[i].append(_draw(probs[row], uniforms[i][step]))
+            rows[i].append(probs[row])
+    return [DraftProposal(tokens[i], np.stack(rows[i]), 0) for i in range(len(requests))]

@@ -1,0 +1,76 @@
+"""gRPC servicer for the draft: protobuf -> DraftRequest -> propose -> protobuf."""
+
+from __future__ import annotations
+
+from specdec.errors import InvalidArgument, grpc_errors
+from specdec.serving import (
+    GrpcServer,
+    LoadedModel,
+    ModelServicerBase,
+    start_model_server,
+    validate_length,
+    validate_sequence_count,
+    validate_token_ids,
+)
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.wire import encode_probs, sampling_from_proto
+
+from draft_service.proposer import DraftRequest, propose
+from draft_service.settings import DraftSettings
+
+
+class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
+    role = "draft"
+
+    def _requests(self, request: draft_pb2.ProposeRequest) -> list[DraftRequest]:
+        runner = self.loaded.runner
+        validate_sequence_count(len(request.sequences), self.settings.max_batch_sequences)
+        parsed = []
+        for seq in request.sequences:
+            prefix = list(seq.prefix_token_ids)
+            if not prefix:
+                raise InvalidArgument("prefix_token_ids is empty")
+            validate_token_ids(prefix, runner.vocab_size, "prefix_token_ids")
+            if not 1 <= seq.num_draft_tokens <= self.settings.max_draft_tokens:
+                raise InvalidArgument(
+                    f"num_draft_tokens must be in [1, {self.settings.max_draft_tokens}], got {seq.num_draft_tokens}"
+                )
+            validate_length(len(prefix) + seq.num_draft_tokens, runner.max_positions)
+            parsed.append(DraftRequest(seq.session_id, prefix, seq.num_draft_tokens, seq.seed))
+        return parsed
+
+    @grpc_errors
+    def Propose(self, request, context):  # noqa: N802 - gRPC name
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        proposals = propose(self.loaded.runner, self._requests(request), sampling)
+        return draft_pb2.ProposeResponse(
+            proposals=[
+                draft_pb2.Proposal(
+                    draft_token_ids=p.draft_token_ids,
+                    draft_probs=encode_probs(p.draft_probs),
+                    cached_tokens=p.cached_tokens,
+                )
+                for p in proposals
+            ]
+        )
+
+    @grpc_errors
+    def Info(self, request, context):  # noqa: N802
+        return self.loaded.info
+
+
+def create_server(settings: DraftSettings, loaded: LoadedModel | None = None) -> tuple[GrpcServer, int]:
+    """Start the draft server; SERVING once the model is loaded (at once if `loaded` is given)."""
+    servicer = DraftServicer(settings)
+    grpc_server = start_model_server(
+        settings,
+        servicer,
+        lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
+        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
+        loaded,
+    )
+    return grpc_server, grpc_server.port
+

@@ -1,0 +1,157 @@
+"""Run the whole stack as local processes: Redis, target, draft, coordinator.
+
+  python scripts/stack.py run    start everything, generate for a demo prompt, print text and stats, stop
+  python scripts/stack.py up     start everything and leave it running (state in .run/)
+  python scripts/stack.py down   stop what `up` started
+
+Environment: SPECDEC_TARGET_MODEL / SPECDEC_DRAFT_MODEL choose the pair (default:
+the packaged SmolLM2-135M-Instruct for both), REDIS_URL uses an existing Redis,
+SPECDEC_DEMO_PROMPT changes the demo prompt. Other SPECDEC_* variables reach the
+services as their settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specdec.local_redis import free_port, start_redis, wait_for_redis  # noqa: E402
+
+RUN_DIR = ROOT / ".run"
+STATE = RUN_DIR / "stack.json"
+COORDINATOR_PORT = int(os.environ.get("SPECDEC_COORDINATOR_PORT", "50051"))
+DRAFT_PORT = int(os.environ.get("SPECDEC_DRAFT_PORT", "50052"))
+TARGET_PORT = int(os.environ.get("SPECDEC_TARGET_PORT", "50053"))
+DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences why the sky is blue.")
+
+
+def _spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    log = open(RUN_DIR / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_healthy(name: str, port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {RUN_DIR / (name + '.log')}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    print(f"  {name:<12} serving on 127.0.0.1:{port}")
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"{name} not healthy after {timeout_s:.0f}s; see {RUN_DIR / (name + '.log')}")
+
+
+def up() -> dict:
+    if STATE.exists():
+        raise SystemExit("the stack seems to be up already (.run/stack.json); run `make down` first")
+    RUN_DIR.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+    pids: dict[str, int] = {}
+    procs: dict[str, subprocess.Popen] = {}
+    redis_url = os.environ.get("REDIS_URL")
+    try:
+        if not redis_url:
+            port = free_port()
+            procs["redis"] = start_redis(port, str(RUN_DIR / "redis"), str(RUN_DIR / "redis.log"))
+            redis_url = f"redis://127.0.0.1:{port}/0"
+        wait_for_redis(redis_url)
+        print(f"  {'redis':<12} {redis_url}")
+        target_model = env.setdefault("SPECDEC_TARGET_MODEL", "smollm2-135m-instruct")
+        env.setdefault("SPECDEC_DRAFT_MODEL", target_model)
+        env.setdefault("SPECDEC_COORDINATOR_TOKENIZER", target_model)
+        env["SPECDEC_COORDINATOR_REDIS_URL"] = redis_url
+        env["SPECDEC_COORDINATOR_DRAFT_ADDRESS"] = f"127.0.0.1:{DRAFT_PORT}"
+        env["SPECDEC_COORDINATOR_TARGET_ADDRESS"] = f"127.0.0.1:{TARGET_PORT}"
+        procs["target"] = _spawn("target", ["-m", "target_service", "--port", str(TARGET_PORT)], env)
+        procs["draft"] = _spawn("draft", ["-m", "draft_service", "--port", str(DRAFT_PORT)], env)
+        procs["coordinator"] = _spawn("coordinator", ["-m", "coordinator", "--port", str(COORDINATOR_PORT)], env)
+        for name, port in (("target", TARGET_PORT), ("draft", DRAFT_PORT), ("coordinator", COORDINATOR_PORT)):
+            _wait_healthy(name, port, procs[name])
+    except BaseException:
+        for proc in procs.values():
+            _stop_pid(proc.pid)
+        raise
+    pids = {name: proc.pid for name, proc in procs.items()}
+    state = {"pids": pids, "redis_url": redis_url, "coordinator": f"127.0.0.1:{COORDINATOR_PORT}"}
+    STATE.write_text(json.dumps(state, indent=2))
+    return state
+
+
+def _stop_pid(pid: int, timeout_s: float = 15.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            os.waitpid(pid, os.WNOHANG)
+        except (ProcessLookupError, ChildProcessError):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def down() -> None:
+    if not STATE.exists():
+        print("nothing to stop")
+        return
+    state = json.loads(STATE.read_text())
+    # Coordinator first, Redis last: nothing is cut off mid-round.
+    for name in ("coordinator", "draft", "target", "redis"):
+        if name in state["pids"]:
+            _stop_pid(state["pids"][name])
+            print(f"  stopped {name}")
+    STATE.unlink()
+
+
+def run() -> int:
+    print("starting redis, target, draft and coordinator (first start loads the models: ~1 min)")
+    state = up()
+    try:
+        from specdec.cli import main as cli
+
+        print(f"\nprompt: {DEMO_PROMPT}\n")
+        argv = ["generate", DEMO_PROMPT, "--address", state["coordinator"], "--chat", "--max-new-tokens", "64"]
+        argv += ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0", "-k", os.environ.get("SPECDEC_DEMO_K", "3")]
+        return cli(argv)
+    finally:
+        print()
+        down()
+
+
+if __name__ == "__main__":
+    command = sys.argv[1] if len(sys.argv) > 1 else "run"
+    if command == "up":
+        up()
+        print("stack is up: `.venv/bin/specdec generate \"Hello\"`; stop it with `make down`")
+    elif command == "down":
+        down()
+    elif command == "run":
+        sys.exit(run())
+    else:
+        raise SystemExit(__doc__)

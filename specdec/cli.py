@@ -1,0 +1,89 @@
+"""The `specdec` console command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from specdec.client import FINISH_REASONS, SpecdecClient
+
+
+def format_stats(stats, finish_reason: int, session_id: str, seed: int) -> str:
+    return "\n".join(
+        [
+            f"finish reason      {FINISH_REASONS.get(finish_reason, finish_reason)}",
+            f"session            {session_id or '-'}   (seed {seed})",
+            f"tokens             {stats.prompt_tokens} prompt, {stats.generated_tokens} generated",
+            f"rounds             {stats.rounds}   ({stats.mean_tokens_per_round:.2f} tokens/round)",
+            f"drafted/accepted   {stats.drafted_tokens}/{stats.accepted_tokens}"
+            f"   (acceptance rate {stats.acceptance_rate:.3f})",
+            f"time               {stats.total_time_s:.3f}s: draft {stats.draft_time_s:.3f}s, "
+            f"verify {stats.verify_time_s:.3f}s, coordinator {stats.coordinator_time_s:.3f}s",
+            f"throughput         {stats.tokens_per_second:.2f} tokens/s",
+        ]
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    with SpecdecClient(args.address, timeout_s=args.timeout) as client:
+        kwargs = dict(
+            session_id=args.session or "",
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            num_speculative_tokens=args.k,
+            stop=args.stop or (),
+            ignore_eos=args.ignore_eos,
+            chat=args.chat,
+        )
+        last = None
+        for chunk in client.stream(args.prompt, **kwargs):
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            last = chunk
+        sys.stdout.write("\n")
+        if last is not None and not args.quiet:
+            print("---", file=sys.stderr)
+            print(format_stats(last.stats, last.finish_reason, last.session_id, last.seed), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion from a coordinator")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
+    gen.add_argument("--session", help="continue this session id")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="K; 0 = target only")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    gen.add_argument("--quiet", action="store_true", help="no stats")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

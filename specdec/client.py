@@ -1,0 +1,95 @@
+"""A small Python client of the coordinator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+FINISH_REASONS = {
+    coordinator_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
+    coordinator_pb2.FINISH_REASON_LENGTH: "length",
+    coordinator_pb2.FINISH_REASON_EOS: "eos",
+    coordinator_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    session_id: str = "",
+    max_new_tokens: int | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    num_speculative_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    chat: bool = False,
+    num_samples: int = 1,
+) -> coordinator_pb2.GenerateRequest:
+    """A GenerateRequest from keyword arguments; a str prompt is text, a sequence of ints is token ids."""
+    request = coordinator_pb2.GenerateRequest(
+        session_id=session_id,
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+        chat=chat,
+        num_samples=num_samples,
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(int(t) for t in prompt)
+    if max_new_tokens is not None:
+        request.max_new_tokens = max_new_tokens
+    if seed is not None:
+        request.seed = seed
+    if num_speculative_tokens is not None:
+        request.num_speculative_tokens = num_speculative_tokens
+    return request
+
+
+class SpecdecClient:
+    """Generate / stream / manage sessions on a coordinator.
+
+    >>> with SpecdecClient("localhost:50051") as client:
+    ...     response = client.generate("Hello", max_new_tokens=16, seed=1)
+    ...     print(response.completions[0].text)
+    """
+
+    def __init__(self, address: str = "localhost:50051", timeout_s: float | None = 600.0, max_message_mb: int = 256):
+        size = max_message_mb * 1024 * 1024
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        )
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> SpecdecClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> coordinator_pb2.GenerateResponse:
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[coordinator_pb2.GenerateChunk]:
+        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
+
+    def get_session(self, session_id: str) -> coordinator_pb2.Session:
+        return self.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
+
+    def delete_session(self, session_id: str) -> bool:
+        request = coordinator_pb2.DeleteSessionRequest(session_id=session_id)
+        return self.stub.DeleteSession(request, timeout=self.timeout_s).deleted

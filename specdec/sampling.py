@@ -1,0 +1,224 @@
+"""The seed's math: warping, sampling and the lossless accept/reject round.
+
+Pure functions, no I/O. Randomness is always passed in (a uniform or a
+numpy Generator), so a round is reproducible from its seed.
+
+Terms follow the article (shared/seed) and Leviathan et al.:
+  draft_probs  q_i  - the law the draft sampled x_i from, after warping
+  target_probs p_i  - the target's law at the same position, same warping
+  accepted tokens   - x_i kept with probability min(1, p_i(x_i) / q_i(x_i))
+  recovered token   - drawn from normalize(max(0, p_i - q_i)) at the first rejection
+  bonus token       - drawn from p_{K+1} when all K draft tokens were accepted
+
+Why it is lossless, per position:
+  P(x) = q(x) * min(1, p(x)/q(x)) + (1 - alpha) * max(0, p(x) - q(x)) / (1 - alpha)
+       = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x),   alpha = sum_x min(p(x), q(x)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class NonFiniteLogitsError(ValueError):
+    """A model produced NaN or +inf logits: sampling from them would be silently wrong."""
+
+
+class InconsistentDraftError(ValueError):
+    """The draft reported q(x) = 0 for a token it proposed: its q is not the law it sampled."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Warping parameters. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------- warping
+
+
+def warp_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Logits -> the law both services sample / score with.
+
+    logits: [N, V] raw model logits (any float dtype).
+    Returns [N, V] float64 probabilities, each row summing to 1.
+
+    The ONE warping function of the project: the draft's q and the target's p
+    come from it with the same parameters. Order: temperature, top-k, top-p
+    (as Hugging Face's samplers). Greedy is the one-hot law on the argmax
+    (first index on ties), so speculative greedy is the same algorithm.
+    """
+    logits = logits.to(torch.float64)
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise NonFiniteLogitsError("model produced NaN or +inf logits")
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise NonFiniteLogitsError("model produced a row of all -inf logits")
+    if sampling.greedy:
+        probs = torch.zeros_like(logits)
+        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs
+    scaled = logits / sampling.temperature
+    vocab = scaled.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        # Ties with the k-th value are kept: the cut is a pure function of the logits.
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        drop_sorted = mass_before >= sampling.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+# ---------------------------------------------------------------- transport laws
+
+
+def to_wire(probs: torch.Tensor | np.ndarray) -> np.ndarray:
+    """[N, V] law -> float32 array as sent between services."""
+    if isinstance(probs, torch.Tensor):
+        probs = probs.detach().cpu().numpy()
+    return np.ascontiguousarray(probs, dtype=np.float32)
+
+
+def normalize(probs: np.ndarray) -> np.ndarray:
+    """[..., V] non-negative weights -> float64 law (last axis sums to 1).
+
+    Both ends apply this to the float32 wire array, so the law the draft
+    sampled from and the law the coordinator scores with are the same numbers.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def sample_token(probs: np.ndarray, uniform: float) -> int:
+    """Inverse-CDF draw. probs: [V] float64 law; uniform in [0, 1).
+
+    side='right' gives zero-probability tokens an empty interval, so they are
+    never drawn, whatever the uniform.
+    """
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+    return min(index, probs.shape[-1] - 1)
+
+
+# ---------------------------------------------------------------- the round
+
+
+def acceptance_probs(draft_probs: np.ndarray, target_probs: np.ndarray) -> np.ndarray:
+    """A(x) = min(1, p(x) / q(x)).  draft_probs, target_probs: [V] float64 laws.
+
+    Where q(x) = 0 the draft never proposes x; A is set to 1 there (unused).
+    p(x) = 0 < q(x) gives A = 0: such a proposal is always rejected.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(draft_probs > 0, target_probs / draft_probs, 1.0)
+    return np.minimum(1.0, ratio)
+
+
+def recovered_probs(draft_probs: np.ndarray, target_probs: np.ndarray) -> np.ndarray:
+    """p'(x) = max(0, p(x) - q(x)) / (1 - alpha).  draft_probs, target_probs: [V].
+
+    Normalised by its own sum, which equals 1 - alpha up to rounding. If that
+    mass is zero (p == q, alpha = 1) a rejection has probability zero in exact
+    arithmetic and can only come from rounding; falling back to p keeps the law
+    exact to rounding and never divides by zero.
+    """
+    residual = np.maximum(0.0, target_probs - draft_probs)
+    mass = residual.sum()
+    if not mass > 0.0:
+        return target_probs
+    return residual / mass
+
+
+def acceptance_rate(draft_probs: np.ndarray, target_probs: np.ndarray) -> float:
+    """alpha = sum_x min(p(x), q(x)): the chance one draft token is accepted."""
+    return float(np.minimum(draft_probs, target_probs).sum())
+
+
+def output_law(draft_probs: np.ndarray, target_probs: np.ndarray) -> np.ndarray:
+    """The law of the token a position emits, computed from the functions above.
+
+    P(x) = q(x) A(x) + (1 - sum_y q(y) A(y)) p'(x). Equals p (tests check it).
+    """
+    accepted_mass = draft_probs * acceptance_probs(draft_probs, target_probs)
+    return accepted_mass + (1.0 - accepted_mass.sum()) * recovered_probs(draft_probs, target_probs)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one speculative round emits: accepted tokens, then one recovered or bonus token."""
+
+    accepted_tokens: list[int]
+    recovered_token: int | None
+    bonus_token: int | None
+
+    @property
+    def tokens(self) -> list[int]:
+        extra = self.recovered_token if self.recovered_token is not None else self.bonus_token
+        return [*self.accepted_tokens, extra]
+
+
+def speculative_round(
+    draft_token_ids: list[int],  # [K]
+    draft_probs: np.ndarray,  # [K, V] float32 wire laws the draft sampled from
+    target_probs: np.ndarray,  # [K + 1, V] float32 wire laws of the target
+    rng: np.random.Generator,
+) -> RoundResult:
+    """Accept/reject x_1..x_K in order; recover at the first rejection; else bonus.
+
+    Emits 1..K+1 tokens. With K = 0 this is plain target sampling from p_1.
+    Uniforms are drawn in a fixed order (one per examined position, then one
+    for the recovered/bonus draw), so a seeded rng makes the round reproducible.
+    """
+    num_draft = len(draft_token_ids)
+    if target_probs.shape[0] != num_draft + 1 or (num_draft and draft_probs.shape[0] != num_draft):
+        raise ValueError(
+            f"shape mismatch: {num_draft} draft tokens, draft_probs {draft_probs.shape}, "
+            f"target_probs {target_probs.shape}"
+        )
+    accepted: list[int] = []
+    for i, token in enumerate(draft_token_ids):
+        q = normalize(draft_probs[i])
+        p = normalize(target_probs[i])
+        if not q[token] > 0.0:
+            raise InconsistentDraftError(f"draft proposed token {token} with q = 0 at position {i + 1}")
+        r = rng.random()
+        if r < min(1.0, p[token] / q[token]):
+            accepted.append(token)
+            continue
+        return RoundResult(accepted, sample_token(recovered_probs(q, p), rng.random()), None)
+    bonus = sample_token(normalize(target_probs[num_draft]), rng.random())
+    return RoundResult(accepted, None, bonus)
+
+
+# ---------------------------------------------------------------- randomness
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed from (request seed, keys...): e.g. (sample, round, stream).
+
+    Pure function of its inputs, so any coordinator replica derives the same
+    randomness for the same round of the same request.
+    """
+    state = np.random.SeedSequence(entropy=int(seed), spawn_key=tuple(int(k) for k in keys))
+    return int(state.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def rng_for(seed: int, *keys: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(derive_seed(seed, *keys)))

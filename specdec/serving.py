@@ -1,0 +1,238 @@
+"""What every gRPC service of the project shares: server setup, health, reflection, shutdown,
+and (for the two model services) settings, model loading and request validation."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import InvalidArgument
+from specdec.settings import setting
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+def grpc_message_options(max_message_mb: int) -> list[tuple[str, int]]:
+    size = max_message_mb * 1024 * 1024
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    service_names: tuple[str, ...]
+    # Set by a signal or by a fatal start-up error (e.g. the model failed to load).
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+    failed: bool = False
+
+    def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            self.health.set(name, status)
+
+
+def build_grpc_server(
+    host: str,
+    port: int,
+    max_workers: int,
+    max_message_mb: int,
+    register: Callable[[grpc.Server], None],
+    service_names: Iterable[str],
+) -> GrpcServer:
+    """A started-ready server with health (NOT_SERVING until `set_serving`) and reflection.
+
+    Binds host:port; port 0 picks a free one (tests). Raises RuntimeError if binding fails.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_message_options(max_message_mb)
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    result = GrpcServer(server, bound, health_servicer, names)
+    result.set_serving(False)
+    return result
+
+
+def serve_until_signal(grpc_server: GrpcServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> int:
+    """Block until SIGTERM/SIGINT, then report NOT_SERVING and drain in-flight calls for `grace_s`.
+
+    Returns the process exit code (1 if the server failed during start-up).
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: grpc_server.stop_requested.set())
+    while not grpc_server.stop_requested.wait(0.5):
+        pass
+    log.info("stopping: draining in-flight calls for up to %.1fs", grace_s)
+    grpc_server.set_serving(False)
+    grpc_server.server.stop(grace_s).wait()
+    if on_stop is not None:
+        on_stop()
+    return 1 if grpc_server.failed else 0
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---------------------------------------------------------------- model services
+
+
+@dataclass(frozen=True)
+class ModelServerSettings:
+    """Settings of a model service (draft or target)."""
+
+    ENV_PREFIX: ClassVar[str] = "SPECDEC_MODEL_"
+
+    host: str = setting("0.0.0.0", "HOST", "address to bind")
+    port: int = setting(50052, "PORT", "gRPC port (0 = any free port)")
+    model: str = setting("smollm2-135m-instruct", "MODEL", "packaged short name, GGUF file, HF directory or hub id")
+    dtype: str = setting("float32", "DTYPE", "float32 | bfloat16 | float16 (float32 is fastest on CPUs without bf16)")
+    device: str = setting("cpu", "DEVICE", "cpu | cuda | cuda:N | auto")
+    cache_max_entries: int = setting(64, "CACHE_MAX_ENTRIES", "KV cache: most sessions kept (LRU)")
+    cache_max_tokens: int = setting(262144, "CACHE_MAX_TOKENS", "KV cache: most tokens kept over all sessions")
+    max_draft_tokens: int = setting(32, "MAX_DRAFT_TOKENS", "largest K accepted per request")
+    max_batch_sequences: int = setting(8192, "MAX_BATCH_SEQUENCES", "most sequences in one request")
+    max_workers: int = setting(8, "MAX_WORKERS", "gRPC worker threads")
+    max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
+    torch_threads: int = setting(0, "TORCH_THREADS", "torch intra-op threads (0 = torch default)")
+    grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
+    log_level: str = setting("info", "LOG_LEVEL", "logging level")
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.max_draft_tokens < 1 or self.max_batch_sequences < 1 or self.max_workers < 1:
+            raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
+
+
+def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: str) -> common_pb2.ModelInfo:
+    from specdec.models import eos_token_ids, tokenizer_fingerprint
+
+    return common_pb2.ModelInfo(
+        model_id=source.spec,
+        vocab_size=runner.vocab_size,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        eos_token_ids=eos_token_ids(runner.model, tokenizer),
+        dtype=dtype,
+        device=str(runner.device),
+        max_position_embeddings=runner.max_positions,
+        role=role,
+    )
+
+
+def validate_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    for token in token_ids:
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"{what} contains token id {token}, outside [0, {vocab_size})")
+
+
+def validate_sequence_count(count: int, limit: int) -> None:
+    if count < 1:
+        raise InvalidArgument("request has no sequences")
+    if count > limit:
+        raise InvalidArgument(f"request has {count} sequences, the limit is {limit}")
+
+
+def validate_length(total: int, max_positions: int) -> None:
+    if max_positions and total > max_positions:
+        raise InvalidArgument(f"sequence of {total} tokens exceeds the model's {max_positions} positions")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    runner: "ModelRunner"  # noqa: F821 - imported lazily (torch)
+    info: common_pb2.ModelInfo
+
+
+def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
+    """Load the model, its tokenizer (for the fingerprint) and wrap them in a cached runner."""
+    import torch
+
+    from specdec.models import load_causal_lm, load_tokenizer
+    from specdec.runner import ModelRunner, SessionKVCache
+
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    model, source = load_causal_lm(settings.model, settings.dtype, settings.device)
+    tokenizer = load_tokenizer(settings.model)
+    runner = ModelRunner(model, SessionKVCache(settings.cache_max_entries, settings.cache_max_tokens))
+    info = model_info_proto(runner, source, tokenizer, role, settings.dtype, settings.device)
+    return LoadedModel(runner, info)
+
+
+class ModelServicerBase:
+    """Holds the model once loaded; calls before that get UNAVAILABLE, not a hang."""
+
+    role = "model"
+
+    def __init__(self, settings: ModelServerSettings):
+        self.settings = settings
+        self._loaded: LoadedModel | None = None
+
+    def attach(self, loaded: LoadedModel) -> None:
+        self._loaded = loaded
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            from specdec.errors import Unavailable
+
+            raise Unavailable(f"{self.role} model is still loading")
+        return self._loaded
+
+
+def start_model_server(
+    settings: ModelServerSettings,
+    servicer: ModelServicerBase,
+    register: Callable[[grpc.Server], None],
+    service_name: str,
+    loaded: LoadedModel | None,
+) -> GrpcServer:
+    """Start serving at once (health NOT_SERVING); SERVING once the model is attached.
+
+    With `loaded` given (tests) that is immediate; otherwise the model loads in
+    a background thread and a failure to load stops the server, so the process
+    exits instead of hanging unhealthy.
+    """
+    grpc_server = build_grpc_server(
+        settings.host, settings.port, settings.max_workers, settings.max_message_mb, register, [service_name]
+    )
+    grpc_server.server.start()
+
+    def attach(model: LoadedModel) -> None:
+        servicer.attach(model)
+        grpc_server.set_serving(True)
+        log.info("%s model %s loaded; serving on port %d", servicer.role, model.info.model_id, grpc_server.port)
+
+    if loaded is not None:
+        attach(loaded)
+    else:
+
+        def load_in_background() -> None:
+            try:
+                attach(load_model(settings, servicer.role))
+            except Exception:
+                log.exception("loading the %s model failed; stopping", servicer.role)
+                grpc_server.failed = True
+                grpc_server.stop_requested.set()
+
+        threading.Thread(target=load_in_background, name="model-loader", daemon=True).start()
+    return grpc_server

@@ -1,0 +1,1 @@
+"""Target service: scores prefix + K draft tokens in one forward pass."""

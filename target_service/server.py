@@ -1,0 +1,70 @@
+"""gRPC servicer for the target: protobuf -> VerifyRequest -> verify -> protobuf."""
+
+from __future__ import annotations
+
+from specdec.errors import InvalidArgument, grpc_errors
+from specdec.serving import (
+    GrpcServer,
+    LoadedModel,
+    ModelServicerBase,
+    start_model_server,
+    validate_length,
+    validate_sequence_count,
+    validate_token_ids,
+)
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.wire import encode_probs, sampling_from_proto
+
+from target_service.settings import TargetSettings
+from target_service.verifier import VerifyRequest, verify
+
+
+class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
+    role = "target"
+
+    def _requests(self, request: target_pb2.VerifyRequest) -> list[VerifyRequest]:
+        runner = self.loaded.runner
+        validate_sequence_count(len(request.sequences), self.settings.max_batch_sequences)
+        parsed = []
+        for seq in request.sequences:
+            prefix, drafts = list(seq.prefix_token_ids), list(seq.draft_token_ids)
+            if not prefix:
+                raise InvalidArgument("prefix_token_ids is empty")
+            if len(drafts) > self.settings.max_draft_tokens:
+                raise InvalidArgument(f"{len(drafts)} draft tokens, the limit is {self.settings.max_draft_tokens}")
+            validate_token_ids(prefix, runner.vocab_size, "prefix_token_ids")
+            validate_token_ids(drafts, runner.vocab_size, "draft_token_ids")
+            validate_length(len(prefix) + len(drafts), runner.max_positions)
+            parsed.append(VerifyRequest(seq.session_id, prefix, drafts))
+        return parsed
+
+    @grpc_errors
+    def Verify(self, request, context):  # noqa: N802 - gRPC name
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        results = verify(self.loaded.runner, self._requests(request), sampling)
+        return target_pb2.VerifyResponse(
+            verifications=[
+                target_pb2.Verification(target_probs=encode_probs(r.target_probs), cached_tokens=r.cached_tokens)
+                for r in results
+            ]
+        )
+
+    @grpc_errors
+    def Info(self, request, context):  # noqa: N802
+        return self.loaded.info
+
+
+def create_server(settings: TargetSettings, loaded: LoadedModel | None = None) -> tuple[GrpcServer, int]:
+    """Start the target server; SERVING once the model is loaded (at once if `loaded` is given)."""
+    servicer = TargetServicer(settings)
+    grpc_server = start_model_server(
+        settings,
+        servicer,
+        lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+        target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
+        loaded,
+    )
+    return grpc_server, grpc_server.port

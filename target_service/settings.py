@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from specdec.serving import ModelServerSettings
+from specdec.settings import setting
+
+
+@dataclass(frozen=True)
+class TargetSettings(ModelServerSettings):
+    """Target service settings (flags, or SPECDEC_TARGET_* env vars)."""
+
+    ENV_PREFIX: ClassVar[str] = "SPECDEC_TARGET_"
+    DEFAULT_PORT: ClassVar[int] = 50053
+
+    port: int = setting(DEFAULT_PORT, "PORT", "gRPC port (0 = any free port)")

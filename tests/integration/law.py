@@ -1,0 +1,79 @@
+"""Exact laws of the tiny target, and a chi-square goodness-of-fit helper with a stated power."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from scipy import stats
+
+from specdec.sampling import Sampling, normalize, to_wire, warp_logits
+
+
+@torch.inference_mode()
+def exact_sequence_law(model, prompt: list[int], length: int, sampling: Sampling) -> np.ndarray:
+    """law[x1, ..., x_length] = prod_i p(x_i | prompt, x_<i) under the target alone, for every sequence.
+
+    Computed with plain full forwards (no cache, no padding) and the project's warping,
+    as the float32 wire law the target service sends, normalised as the coordinator does.
+    """
+    vocab = model.config.vocab_size
+    prefixes: list[tuple[int, ...]] = [()]
+    law = np.ones(1)
+    for _ in range(length):
+        batch = torch.tensor([prompt + list(prefix) for prefix in prefixes])
+        logits = model(input_ids=batch).logits[:, -1, :]
+        step = normalize(to_wire(warp_logits(logits, sampling)))  # [len(prefixes), V]
+        law = (law[:, None] * step).reshape(-1)
+        prefixes = [prefix + (token,) for prefix in prefixes for token in range(vocab)]
+    return law.reshape((vocab,) * length)
+
+
+def chi_square_fit(counts: np.ndarray, law: np.ndarray, min_expected: float = 5.0):
+    """Pearson chi-square of observed counts against an exact law.
+
+    Cells with expected count < min_expected are pooled into one bin (into the
+    smallest kept cell if the pool itself is too small). Returns (statistic,
+    p_value, number of bins).
+    """
+    counts = counts.reshape(-1).astype(float)
+    law = law.reshape(-1)
+    n = counts.sum()
+    expected = n * law
+    keep = expected >= min_expected
+    obs_bins = list(counts[keep])
+    exp_bins = list(expected[keep])
+    pooled_obs, pooled_exp = counts[~keep].sum(), expected[~keep].sum()
+    if pooled_exp >= min_expected:
+        obs_bins.append(pooled_obs)
+        exp_bins.append(pooled_exp)
+    elif pooled_exp > 0 or pooled_obs > 0:
+        smallest = int(np.argmin(exp_bins))
+        obs_bins[smallest] += pooled_obs
+        exp_bins[smallest] += pooled_exp
+    statistic, p_value = stats.chisquare(obs_bins, exp_bins)
+    return float(statistic), float(p_value), len(obs_bins)
+
+
+def samples_to_detect(tv: float, bins: int, significance: float, power: float) -> int:
+    """Samples at which the chi-square test rejects a law at total-variation distance `tv`
+    (on the binned space) with probability >= `power`.
+
+    Any such law has chi-square divergence >= 4 tv^2 (Cauchy-Schwarz), so the
+    statistic's noncentrality is at least n * 4 tv^2.
+    """
+    df = bins - 1
+    critical = stats.chi2.ppf(1 - significance, df)
+    low, high = 1, 10_000_000
+    while low < high:
+        mid = (low + high) // 2
+        if stats.ncx2.sf(critical, df, mid * 4 * tv * tv) >= power:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def all_sequences(vocab: int, length: int):
+    return itertools.product(range(vocab), repeat=length)

@@ -1,0 +1,188 @@
+"""The seed's math, checked exactly (algebra) and by sampling where it must be."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec.sampling import (
+    InconsistentDraftError,
+    NonFiniteLogitsError,
+    Sampling,
+    acceptance_probs,
+    acceptance_rate,
+    derive_seed,
+    normalize,
+    output_law,
+    recovered_probs,
+    rng_for,
+    sample_token,
+    speculative_round,
+    warp_logits,
+)
+
+
+def test_seed_article_example_exactly():
+    # shared/seed: q = (0.2, 0.4, 0.3, 0.1), p = (0.5, 0.1, 0.1, 0.3).
+    q = np.array([0.2, 0.4, 0.3, 0.1])
+    p = np.array([0.5, 0.1, 0.1, 0.3])
+    assert acceptance_rate(q, p) == pytest.approx(0.5, abs=1e-15)
+    np.testing.assert_allclose(acceptance_probs(q, p), [1.0, 0.25, 1 / 3, 1.0], atol=1e-15)
+    np.testing.assert_allclose(recovered_probs(q, p), [0.6, 0.0, 0.0, 0.4], atol=1e-15)
+    np.testing.assert_allclose(output_law(q, p), p, atol=1e-15)
+
+
+def _random_pairs(rng: np.random.Generator):
+    """(name, q, p) pairs covering the cases the issue names."""
+    for vocab in (2, 5, 50, 1000):
+        for _ in range(20):
+            yield "dense", rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
+            yield "peaked", rng.dirichlet(np.full(vocab, 0.05)), rng.dirichlet(np.full(vocab, 0.05))
+            q = rng.dirichlet(np.ones(vocab)) * (rng.random(vocab) < 0.3)
+            p = rng.dirichlet(np.ones(vocab)) * (rng.random(vocab) < 0.3)
+            q[0] += 1e-3  # keep at least one nonzero entry
+            p[-1] += 1e-3
+            yield "sparse", normalize(q), normalize(p)
+        half = vocab // 2 or 1
+        q = np.zeros(vocab)
+        q[:half] = rng.dirichlet(np.ones(half))
+        p = np.zeros(vocab)
+        p[half:] = rng.dirichlet(np.ones(vocab - half)) if vocab > half else 1.0
+        yield "disjoint", q, normalize(p)
+        same = rng.dirichlet(np.ones(vocab))
+        yield "equal", same, same.copy()
+        yield "one-hot", np.eye(vocab)[0], np.eye(vocab)[vocab - 1]
+        yield "one-hot-same", np.eye(vocab)[0], np.eye(vocab)[0]
+        yield "q-zero-where-p-positive", normalize(np.r_[0.0, np.ones(vocab - 1)]), np.full(vocab, 1 / vocab)
+
+
+def test_output_law_equals_target_for_many_pairs():
+    """P(x) = q(x) A(x) + (1 - sum q A) p'(x) == p(x) to 1e-9, from the implementation's own functions."""
+    rng = np.random.default_rng(1234)
+    checked = 0
+    for name, q, p in _random_pairs(rng):
+        law = output_law(q, p)
+        np.testing.assert_allclose(law, p, atol=1e-9, err_msg=name)
+        assert np.all(law >= 0)
+        checked += 1
+    assert checked >= 260
+
+
+def test_equal_laws_never_divide_by_zero():
+    p = np.array([0.25, 0.25, 0.5])
+    with np.errstate(all="raise"):
+        assert acceptance_rate(p, p) == pytest.approx(1.0)
+        np.testing.assert_array_equal(recovered_probs(p, p), p)  # the zero-mass fallback
+
+
+def test_residual_that_rounds_to_zero_falls_back_to_target():
+    p = np.array([0.5, 0.5])
+    q = np.nextafter(p, 1.0)  # q >= p everywhere by rounding: max(0, p - q) is all zeros
+    np.testing.assert_array_equal(recovered_probs(q, p), p)
+
+
+def test_token_with_zero_target_prob_is_always_rejected():
+    q = np.array([0.5, 0.5])
+    p = np.array([1.0, 0.0])
+    assert acceptance_probs(q, p)[1] == 0.0
+    for seed in range(50):
+        result = speculative_round([1], q[None].astype(np.float32), np.stack([p, p]).astype(np.float32), rng_for(seed))
+        assert result.accepted_tokens == [] and result.recovered_token == 0
+
+
+def test_draft_token_with_zero_draft_prob_is_an_error():
+    q = np.array([[1.0, 0.0]], dtype=np.float32)
+    p = np.array([[0.5, 0.5], [0.5, 0.5]], dtype=np.float32)
+    with pytest.raises(InconsistentDraftError):
+        speculative_round([1], q, p, rng_for(0))
+
+
+def test_sample_token_never_draws_zero_probability_tokens():
+    probs = normalize(np.array([0.0, 0.3, 0.0, 0.7, 0.0]))
+    for u in [0.0, 1e-300, 0.3 - 1e-17, 0.3, 0.3 + 1e-17, 0.999999999999, np.nextafter(1.0, 0.0)]:
+        assert sample_token(probs, u) in (1, 3)
+
+
+def test_round_emits_between_one_and_k_plus_one_tokens():
+    rng = np.random.default_rng(0)
+    vocab, k = 6, 4
+    for seed in range(200):
+        q = rng.dirichlet(np.ones(vocab), size=k).astype(np.float32)
+        p = rng.dirichlet(np.ones(vocab), size=k + 1).astype(np.float32)
+        drafts = [sample_token(normalize(row), rng.random()) for row in q]
+        result = speculative_round(drafts, q, p, rng_for(seed))
+        assert 1 <= len(result.tokens) <= k + 1
+        assert result.accepted_tokens == drafts[: len(result.accepted_tokens)]
+        assert (result.bonus_token is None) != (result.recovered_token is None)
+        if result.bonus_token is not None:
+            assert len(result.accepted_tokens) == k
+
+
+def test_round_is_reproducible_from_its_seed():
+    rng = np.random.default_rng(5)
+    q = rng.dirichlet(np.ones(5), size=3).astype(np.float32)
+    p = rng.dirichlet(np.ones(5), size=4).astype(np.float32)
+    first = speculative_round([0, 1, 2], q, p, rng_for(42, 0, 7, 1))
+    again = speculative_round([0, 1, 2], q, p, rng_for(42, 0, 7, 1))
+    assert first == again
+    assert derive_seed(42, 0, 7, 0) != derive_seed(42, 0, 7, 1) != derive_seed(43, 0, 7, 1)
+
+
+def test_one_position_by_sampling_matches_target_chi_square():
+    """The round as a sampler (draft draw + accept/recover) against p, alpha = 0.001."""
+    q = np.array([0.2, 0.4, 0.3, 0.1], dtype=np.float32)
+    p = np.array([0.5, 0.1, 0.1, 0.3], dtype=np.float32)
+    rng = np.random.default_rng(2024)
+    n = 40_000
+    counts = np.zeros(4)
+    for i in range(n):
+        x = sample_token(normalize(q), rng.random())
+        # K = 1 and keep only the first emitted token: the law of position 1.
+        counts[speculative_round([x], q[None], np.stack([p, p]), rng).tokens[0]] += 1
+    _, p_value = stats.chisquare(counts, n * normalize(p))
+    assert p_value > 0.001, (counts / n, p_value)
+
+
+# ---------------------------------------------------------------- warping
+
+
+def test_warp_temperature_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    base = warp_logits(logits, Sampling(1.0))
+    np.testing.assert_allclose(base.numpy(), torch.softmax(logits.double(), -1).numpy(), atol=1e-15)
+    hot = warp_logits(logits, Sampling(0.5))
+    np.testing.assert_allclose(hot.numpy(), torch.softmax(logits.double() / 0.5, -1).numpy(), atol=1e-15)
+    top2 = warp_logits(logits, Sampling(1.0, top_k=2)).numpy()[0]
+    assert np.count_nonzero(top2) == 2 and top2[:2].sum() == pytest.approx(1.0)
+    nucleus = warp_logits(logits, Sampling(1.0, top_p=0.7)).numpy()[0]
+    # softmax = .61, .22, .14, ...: the smallest prefix with mass >= 0.7 is the top two.
+    assert np.count_nonzero(nucleus) == 2
+    assert nucleus.sum() == pytest.approx(1.0)
+    tiny_p = warp_logits(logits, Sampling(1.0, top_p=1e-6)).numpy()[0]
+    np.testing.assert_array_equal(tiny_p, [1, 0, 0, 0, 0])
+
+
+def test_greedy_is_one_hot_argmax_first_on_ties():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
+    np.testing.assert_array_equal(warp_logits(logits, Sampling(0.0)).numpy(), [[0, 1, 0, 0]])
+
+
+def test_greedy_round_accepts_while_draft_is_target_argmax():
+    vocab = 5
+    one_hot = np.eye(vocab, dtype=np.float32)
+    draft_tokens = [1, 2, 3]
+    target_argmax = [1, 2, 4, 0]
+    result = speculative_round(draft_tokens, one_hot[draft_tokens], one_hot[target_argmax], rng_for(0))
+    assert result.accepted_tokens == [1, 2] and result.recovered_token == 4
+
+
+def test_nonfinite_logits_are_a_clear_error():
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteLogitsError):
+            warp_logits(torch.tensor([[0.0, bad]]), Sampling(1.0))
+    with pytest.raises(NonFiniteLogitsError):
+        warp_logits(torch.tensor([[float("-inf"), float("-inf")]]), Sampling(1.0))
+    masked = warp_logits(torch.tensor([[0.0, float("-inf")]]), Sampling(1.0))  # -inf alone is a legal mask
+    np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0]])
