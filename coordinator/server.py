@@ -80,6 +80,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._pool_info: PoolInfo | None = None
         self._pool_info_at = 0.0
         self._pool_lock = threading.Lock()
+        self._tokens = self._rounds = None
+
+    def use_registry(self, registry) -> None:
+        """Token-level counters next to the per-call ones the interceptor keeps."""
+        self._tokens = registry.counter(
+            "specdec_tokens_total", "tokens by kind: prompt, generated, drafted, accepted", ("kind",)
+        )
+        self._rounds = registry.counter("specdec_rounds_total", "speculative rounds run")
+
+    def _record(self, stats: Stats, generated: int) -> None:
+        if self._tokens is None:
+            return
+        for kind, value in (
+            ("prompt", stats.prompt_tokens),
+            ("generated", generated),
+            ("drafted", stats.drafted_tokens),
+            ("accepted", stats.accepted_tokens),
+        ):
+            self._tokens.inc(value, kind=kind)
+        self._rounds.inc(stats.rounds)
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -223,6 +243,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             for _ in self._rounds(spec, samples, stats, deadline, lease, context):
                 pass
             generated = sum(len(s.generated) for s in samples)
+            self._record(stats, generated)
             return coordinator_pb2.GenerateResponse(
                 completions=[
                     coordinator_pb2.Completion(
@@ -249,6 +270,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 yield coordinator_pb2.GenerateChunk(
                     text=chunk_text, token_ids=event.new_tokens.get(sample.index, []), session_id=session_id, seed=spec.seed
                 )
+            self._record(stats, len(sample.generated))
             yield coordinator_pb2.GenerateChunk(
                 text=text.delta(self.engine.text_of(sample), True),
                 done=True,
@@ -299,7 +321,10 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         settings.max_message_mb,
         lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server),
         [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+        metrics_label="coordinator",
+        metrics_port=settings.metrics_port,
     )
+    servicer.use_registry(grpc_server.registry)
     grpc_server.server.start()
     try:
         store.ping()

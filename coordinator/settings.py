@@ -15,6 +15,7 @@ class CoordinatorSettings:
 
     host: str = setting("0.0.0.0", "HOST", "address to bind")
     port: int = setting(DEFAULT_PORT, "PORT", "gRPC port (0 = any free port)")
+    metrics_port: int = setting(9101, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")
     draft_address: str = setting(
         "localhost:50052", "DRAFT_ADDRESS", "draft service: host:port, a comma list, or a gRPC target (dns:///...)"
     )

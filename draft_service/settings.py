@@ -15,3 +15,4 @@ class DraftSettings(ModelServerSettings):
     DEFAULT_PORT: ClassVar[int] = 50052
 
     port: int = setting(DEFAULT_PORT, "PORT", "gRPC port (0 = any free port)")
+    metrics_port: int = setting(9102, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")

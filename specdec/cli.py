@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--quiet", action="store_true", help="no stats")
     gen.set_defaults(func=_generate)
+    try:  # distill / eval-draft live with the training code (heavier imports, loaded on use)
+        from specdec.distill.cli import add_subcommands
+    except ImportError:
+        pass
+    else:
+        add_subcommands(sub)
     return parser
 
 

@@ -23,6 +23,9 @@ PACKAGED_MODELS = {
 }
 ALIASES = {"smollm2": "smollm2-135m-instruct"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# A directory holding this file is a distilled draft (see specdec.draft_artifact):
+# trained layers plus a reference to the target whose embedding/norm/head it shares.
+DRAFT_ARTIFACT_MARKER = "specdec_draft.json"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,10 +88,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def is_draft_artifact(source: ModelSource) -> bool:
+    return source.gguf_file is None and (Path(source.location) / DRAFT_ARTIFACT_MARKER).is_file()
+
+
 def load_tokenizer(spec: str):
+    """The tokenizer of a model spec (a draft artifact's is its target's)."""
     from transformers import AutoTokenizer
 
     source = resolve_model_source(spec)
+    if is_draft_artifact(source):
+        from specdec.draft_artifact import artifact_target
+
+        return load_tokenizer(artifact_target(source.location))
     return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
 
 
@@ -97,6 +109,12 @@ def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     source = resolve_model_source(spec)
+    if is_draft_artifact(source):
+        from specdec.draft_artifact import load_draft_artifact
+
+        model = load_draft_artifact(source.location, dtype=dtype, device=device)
+        model.eval()
+        return model, source
     model = AutoModelForCausalLM.from_pretrained(source.location, dtype=resolve_dtype(dtype), **source.kwargs())
     model.to(resolve_device(device))
     model.eval()

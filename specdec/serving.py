@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import InvalidArgument
+from specdec.metrics import MetricsInterceptor, Registry, serve_metrics
 from specdec.settings import setting
 from specdec.v1 import common_pb2
 
@@ -33,6 +34,8 @@ class GrpcServer:
     port: int
     health: health.HealthServicer
     service_names: tuple[str, ...]
+    registry: Registry
+    metrics_port: int | None  # None: no /metrics endpoint
     # Set by a signal or by a fatal start-up error (e.g. the model failed to load).
     stop_requested: threading.Event = field(default_factory=threading.Event)
     failed: bool = False
@@ -50,13 +53,20 @@ def build_grpc_server(
     max_message_mb: int,
     register: Callable[[grpc.Server], None],
     service_names: Iterable[str],
+    metrics_label: str,
+    metrics_port: int = -1,
+    registry: Registry | None = None,
 ) -> GrpcServer:
-    """A started-ready server with health (NOT_SERVING until `set_serving`) and reflection.
+    """A ready-to-start server with health (NOT_SERVING until `set_serving`), reflection and metrics.
 
-    Binds host:port; port 0 picks a free one (tests). Raises RuntimeError if binding fails.
+    Binds host:port; port 0 picks a free one (tests). metrics_port: -1 = no
+    /metrics endpoint, 0 = any free port. Raises RuntimeError if binding fails.
     """
+    registry = registry or Registry()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_message_options(max_message_mb)
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=grpc_message_options(max_message_mb),
+        interceptors=[MetricsInterceptor(registry, metrics_label)],
     )
     register(server)
     health_servicer = health.HealthServicer()
@@ -66,7 +76,10 @@ def build_grpc_server(
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
-    result = GrpcServer(server, bound, health_servicer, names)
+    metrics_bound = None
+    if metrics_port >= 0:
+        metrics_bound = serve_metrics(registry, host, metrics_port).server_port
+    result = GrpcServer(server, bound, health_servicer, names, registry, metrics_bound)
     result.set_serving(False)
     return result
 
@@ -103,6 +116,7 @@ class ModelServerSettings:
 
     host: str = setting("0.0.0.0", "HOST", "address to bind")
     port: int = setting(50052, "PORT", "gRPC port (0 = any free port)")
+    metrics_port: int = setting(9102, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")
     model: str = setting("smollm2-135m-instruct", "MODEL", "packaged short name, GGUF file, HF directory or hub id")
     dtype: str = setting("float32", "DTYPE", "float32 | bfloat16 | float16 (float32 is fastest on CPUs without bf16)")
     device: str = setting("cpu", "DEVICE", "cpu | cuda | cuda:N | auto")
@@ -213,8 +227,16 @@ def start_model_server(
     exits instead of hanging unhealthy.
     """
     grpc_server = build_grpc_server(
-        settings.host, settings.port, settings.max_workers, settings.max_message_mb, register, [service_name]
+        settings.host,
+        settings.port,
+        settings.max_workers,
+        settings.max_message_mb,
+        register,
+        [service_name],
+        metrics_label=servicer.role,
+        metrics_port=settings.metrics_port,
     )
+    servicer.registry = grpc_server.registry
     grpc_server.server.start()
 
     def attach(model: LoadedModel) -> None:

@@ -15,3 +15,4 @@ class TargetSettings(ModelServerSettings):
     DEFAULT_PORT: ClassVar[int] = 50053
 
     port: int = setting(DEFAULT_PORT, "PORT", "gRPC port (0 = any free port)")
+    metrics_port: int = setting(9103, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")

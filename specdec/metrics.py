@@ -1,0 +1,185 @@
+"""Prometheus metrics without a dependency: counters, gauges, an HTTP /metrics endpoint,
+and a gRPC interceptor that counts calls, their status and the calls in flight.
+
+`specdec_inflight_requests` is the per-pod load signal the model pools autoscale on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    inner = ",".join(f'{n}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for n, v in zip(names, values, strict=True))
+    return "{" + inner + "}"
+
+
+class _Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()):
+        self.name = name
+        self.help = help_text
+        self.label_names = labels
+        self._values: dict[tuple[str, ...], float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        return tuple(str(labels.get(n, "")) for n in self.label_names)
+
+    def value(self, **labels: str) -> float:
+        with self._lock:
+            return self._values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        with self._lock:
+            items = sorted(self._values.items())
+        lines += [f"{self.name}{_labels(self.label_names, key)} {value:.17g}" for key, value in items]
+        return lines
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        with self._lock:
+            self._values[self._key(labels)] += amount
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def add(self, amount: float, **labels: str) -> None:
+        with self._lock:
+            self._values[self._key(labels)] += amount
+
+    def set(self, value: float, **labels: str) -> None:
+        with self._lock:
+            self._values[self._key(labels)] = value
+
+
+class Registry:
+    def __init__(self):
+        self._metrics: dict[str, _Metric] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, cls, name: str, help_text: str, labels: tuple[str, ...]):
+        with self._lock:
+            if name not in self._metrics:
+                self._metrics[name] = cls(name, help_text, labels)
+            return self._metrics[name]
+
+    def counter(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
+        return self._get(Counter, name, help_text, labels)
+
+    def gauge(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return self._get(Gauge, name, help_text, labels)
+
+    def render(self) -> str:
+        with self._lock:
+            metrics = list(self._metrics.values())
+        return "\n".join(line for m in metrics for line in m.render()) + "\n"
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every unary/stream call by method and status; tracks calls in flight."""
+
+    def __init__(self, registry: Registry, service: str):
+        self.service = service
+        self.inflight = registry.gauge("specdec_inflight_requests", "gRPC calls being served", ("service",))
+        self.calls = registry.counter(
+            "specdec_requests_total", "gRPC calls served", ("service", "method", "code")
+        )
+        self.seconds = registry.counter(
+            "specdec_request_seconds_total", "seconds spent serving gRPC calls", ("service", "method")
+        )
+        self.inflight.set(0, service=service)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler is None or method in ("Check", "Watch") or "Reflection" in handler_call_details.method:
+            return handler
+
+        def observe(started: float, code: str) -> None:
+            self.inflight.add(-1, service=self.service)
+            self.calls.inc(service=self.service, method=method, code=code)
+            self.seconds.inc(time.perf_counter() - started, service=self.service, method=method)
+
+        def code_of(context) -> str:
+            code = context.code() if hasattr(context, "code") else None
+            return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                self.inflight.add(1, service=self.service)
+                started = time.perf_counter()
+                code = "UNKNOWN"
+                try:
+                    response = inner(request, context)
+                    code = code_of(context)
+                    return response
+                except Exception:
+                    code = code_of(context)
+                    code = "INTERNAL" if code == "OK" else code
+                    raise
+                finally:
+                    observe(started, code)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            def stream(request, context):
+                self.inflight.add(1, service=self.service)
+                started = time.perf_counter()
+                code = "UNKNOWN"
+                try:
+                    yield from inner_stream(request, context)
+                    code = code_of(context)
+                except Exception:
+                    code = code_of(context)
+                    code = "INTERNAL" if code == "OK" else code
+                    raise
+                finally:
+                    observe(started, code)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def serve_metrics(registry: Registry, host: str, port: int) -> ThreadingHTTPServer:
+    """GET /metrics in Prometheus text format on a daemon thread. Returns the server (port via server_port)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server API
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+                return
+            body = registry.render().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
