@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 PROTO_STAMP := specdec/v1/.generated
 
-.PHONY: all install proto test test-fast run up down bench clean
+.PHONY: all install proto test test-fast run up down bench draft clean
 
 all: install
 
@@ -30,7 +30,7 @@ $(PROTO_STAMP): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	@touch $@
 
-test: install
+test: install deploy-tools
 	$(PY) -m pytest
 
 test-fast: install
@@ -47,6 +47,12 @@ down:
 
 bench: install
 	$(PY) scripts/bench.py
+
+# Distil a small draft for the default target (see README "Drafts").
+draft: install
+	$(VENV)/bin/specdec distill
+
+include deploy.mk
 
 clean:
 	rm -rf $(VENV) .run $(PROTO_STAMP) specdec/v1/*_pb2*.py specdec/v1/*_pb2*.pyi
