@@ -80,17 +80,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._pool_info: PoolInfo | None = None
         self._pool_info_at = 0.0
         self._pool_lock = threading.Lock()
-        self._tokens = self._rounds = None
+        self._tokens_metric = self._rounds_metric = None
 
     def use_registry(self, registry) -> None:
         """Token-level counters next to the per-call ones the interceptor keeps."""
-        self._tokens = registry.counter(
+        self._tokens_metric = registry.counter(
             "specdec_tokens_total", "tokens by kind: prompt, generated, drafted, accepted", ("kind",)
         )
-        self._rounds = registry.counter("specdec_rounds_total", "speculative rounds run")
+        self._rounds_metric = registry.counter("specdec_rounds_total", "speculative rounds run")
 
     def _record(self, stats: Stats, generated: int) -> None:
-        if self._tokens is None:
+        if self._tokens_metric is None:
             return
         for kind, value in (
             ("prompt", stats.prompt_tokens),
@@ -98,8 +98,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             ("drafted", stats.drafted_tokens),
             ("accepted", stats.accepted_tokens),
         ):
-            self._tokens.inc(value, kind=kind)
-        self._rounds.inc(stats.rounds)
+            self._tokens_metric.inc(value, kind=kind)
+        self._rounds_metric.inc(stats.rounds)
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -29,9 +29,10 @@ def decode_probs(tensor: common_pb2.ProbTensor) -> np.ndarray:
 
 
 def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
-    """Proto sampling params -> validated Sampling. top_p 0 means unset (proto3 default)."""
-    top_p = params.top_p if params.top_p != 0.0 else 1.0
-    sampling = Sampling(temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(top_p))
+    """Proto sampling params -> validated Sampling (unset temperature / top_p mean 1)."""
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    sampling = Sampling(temperature=float(temperature), top_k=int(params.top_k), top_p=float(top_p))
     validate_sampling(sampling)
     return sampling
 

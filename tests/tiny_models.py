@@ -15,21 +15,23 @@ VOCAB = ["<eos>", "a", "b", "c", "d", "e", "f", "g"]
 EOS_ID = 0
 
 
-def save_tokenizer(directory: Path) -> None:
+def save_tokenizer(directory: Path, vocab: list[str] = VOCAB) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<eos>"))
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.save_pretrained(directory)
 
 
-def build_tiny_model(directory: Path, seed: int, logit_scale: float, num_layers: int = 2) -> Path:
+def build_tiny_model(
+    directory: Path, seed: int, logit_scale: float, num_layers: int = 2, vocab: list[str] = VOCAB
+) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(VOCAB),
+        vocab_size=len(vocab),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=num_layers,
@@ -49,5 +51,5 @@ def build_tiny_model(directory: Path, seed: int, logit_scale: float, num_layers:
     model.generation_config = GenerationConfig(eos_token_id=EOS_ID)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    save_tokenizer(directory)
+    save_tokenizer(directory, vocab)
     return directory

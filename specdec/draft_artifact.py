@@ -1,0 +1,198 @@
+"""The draft artifact: a few trained decoder layers plus a reference to the target they serve.
+
+A directory is a draft artifact when it holds `specdec_draft.json` (models.DRAFT_ARTIFACT_MARKER):
+
+    specdec_draft.json        manifest: format, target spec, layer count, init layers, tokenizer
+                              fingerprint, training facts
+    draft_layers.safetensors  the trained decoder layers only (`model.layers.{i}.*`)
+
+The embedding, final norm and LM head are the target's (shared and frozen during
+distillation), so loading a draft loads its target once, copies those three in and drops
+the rest. The result is an ordinary Hugging Face causal LM with `num_hidden_layers = N`,
+so the model services and `specdec.runner` use it like any other model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from specdec.models import DRAFT_ARTIFACT_MARKER
+
+ARTIFACT_FORMAT = "specdec-draft/1"
+WEIGHTS_FILE = "draft_layers.safetensors"
+LAYER_PREFIX = "model.layers."
+
+
+class DraftArtifactError(ValueError):
+    """A directory that claims to be a draft artifact but cannot be loaded as one."""
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / DRAFT_ARTIFACT_MARKER
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftArtifactError(f"cannot read {path}: {exc}") from exc
+    if manifest.get("format") != ARTIFACT_FORMAT:
+        raise DraftArtifactError(f"{path}: format {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
+    for key in ("target", "num_layers"):
+        if key not in manifest:
+            raise DraftArtifactError(f"{path}: missing {key!r}")
+    return manifest
+
+
+def artifact_target(directory: str | Path) -> str:
+    """The model spec of the target this draft was distilled for (its tokenizer is the draft's).
+
+    A relative path in the manifest is relative to the artifact directory, so an artifact
+    can travel together with a local target directory.
+    """
+    target = str(read_manifest(directory)["target"])
+    candidate = Path(directory) / target
+    if not Path(target).is_absolute() and (candidate.is_dir() or candidate.is_file()):
+        return str(candidate.resolve())
+    return target
+
+
+def _draft_config(target_config, num_layers: int, init_layers: list[int]):
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = num_layers
+    # Per-layer lists (e.g. sliding/full attention patterns) follow the layers the draft started from.
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) == target_config.num_hidden_layers:
+        config.layer_types = [layer_types[i] for i in init_layers]
+    for attr in ("quantization_config",):  # a GGUF target's; the draft is plain float weights
+        if hasattr(config, attr):
+            try:
+                delattr(config, attr)
+            except AttributeError:
+                setattr(config, attr, None)
+    config.use_cache = True
+    return config
+
+
+def _decoder(model):
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
+        raise DraftArtifactError(f"{type(model).__name__}: expected model.model.layers and model.model.norm")
+    return inner
+
+
+def build_draft(target_model, num_layers: int, init_layers: list[int] | None = None):
+    """A float32 draft with `num_layers` decoder layers copied from `init_layers` of the target.
+
+    Embedding, final norm and LM head are copies of the target's and are frozen
+    (requires_grad False); only the decoder layers train.
+    """
+    from transformers import AutoModelForCausalLM
+
+    n_target = int(target_model.config.num_hidden_layers)
+    if init_layers is None:
+        init_layers = list(range(num_layers))
+    init_layers = [i if i >= 0 else n_target + i for i in init_layers]
+    if len(init_layers) != num_layers or not all(0 <= i < n_target for i in init_layers):
+        raise ValueError(f"init_layers {init_layers} must name {num_layers} of the target's {n_target} layers")
+    config = _draft_config(target_model.config, num_layers, init_layers)
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    target_inner, draft_inner = _decoder(target_model), _decoder(draft)
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(target_model.get_input_embeddings().weight.float())
+        draft_inner.norm.load_state_dict({k: v.float() for k, v in target_inner.norm.state_dict().items()})
+        if not getattr(config, "tie_word_embeddings", False):
+            draft.get_output_embeddings().weight.copy_(target_model.get_output_embeddings().weight.float())
+        for dst, src in enumerate(init_layers):
+            # load_state_dict, not a module copy: the attention's layer_idx (the cache slot) stays dst.
+            state = {k: v.float() for k, v in target_inner.layers[src].state_dict().items()}
+            draft_inner.layers[dst].load_state_dict(state)
+    freeze_shared(draft)
+    draft.generation_config = copy.deepcopy(getattr(target_model, "generation_config", draft.generation_config))
+    return draft
+
+
+def freeze_shared(draft) -> None:
+    for name, param in draft.named_parameters():
+        param.requires_grad_(name.startswith(LAYER_PREFIX))
+
+
+def trained_state(draft) -> dict[str, torch.Tensor]:
+    """The decoder layers' tensors: what the artifact stores."""
+    return {k: v for k, v in draft.state_dict().items() if k.startswith(LAYER_PREFIX)}
+
+
+def save_draft_artifact(
+    directory: str | Path,
+    draft,
+    target_spec: str,
+    init_layers: list[int],
+    tokenizer_fingerprint: str | None = None,
+    weights_dtype: torch.dtype = torch.bfloat16,
+    info: dict | None = None,
+) -> Path:
+    """Write the manifest and the trained layers (atomically enough: weights first, manifest last)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in trained_state(draft).items()}
+    tmp = directory / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": ARTIFACT_FORMAT})
+    tmp.replace(directory / WEIGHTS_FILE)
+    manifest = {
+        "format": ARTIFACT_FORMAT,
+        "target": target_spec,
+        "num_layers": int(draft.config.num_hidden_layers),
+        "init_layers": [int(i) for i in init_layers],
+        "weights": WEIGHTS_FILE,
+        "weights_dtype": str(weights_dtype).removeprefix("torch."),
+        "target_tokenizer_fingerprint": tokenizer_fingerprint,
+        "shared_from_target": ["embedding", "final norm", "lm head"],
+        "info": info or {},
+    }
+    tmp_manifest = directory / (DRAFT_ARTIFACT_MARKER + ".tmp")
+    tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp_manifest.replace(directory / DRAFT_ARTIFACT_MARKER)
+    return directory
+
+
+def load_draft_weights(draft, directory: str | Path, manifest: dict | None = None) -> None:
+    from safetensors.torch import load_file
+
+    manifest = manifest or read_manifest(directory)
+    path = Path(directory) / manifest.get("weights", WEIGHTS_FILE)
+    if not path.is_file():
+        raise DraftArtifactError(f"{path} is missing")
+    tensors = load_file(str(path))
+    expected = set(trained_state(draft))
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise DraftArtifactError(f"{path}: missing {missing[:4]}, unexpected {extra[:4]}")
+    with torch.no_grad():
+        params = dict(draft.named_parameters())
+        buffers = dict(draft.named_buffers())
+        for name, value in tensors.items():
+            (params.get(name) if name in params else buffers[name]).copy_(value.float())
+
+
+def load_draft_artifact(directory: str | Path, dtype: str = "float32", device: str = "cpu", target_model=None):
+    """The draft as a Hugging Face causal LM (eval mode) on `device` in `dtype`.
+
+    Loads the target (unless given) for its embedding, final norm and head.
+    """
+    from specdec.models import load_causal_lm, resolve_device, resolve_dtype
+
+    manifest = read_manifest(directory)
+    if target_model is None:
+        target_model, _ = load_causal_lm(artifact_target(directory), dtype="float32", device="cpu")
+    num_layers = int(manifest["num_layers"])
+    init_layers = [int(i) for i in manifest.get("init_layers") or range(num_layers)]
+    draft = build_draft(target_model, num_layers, init_layers)
+    del target_model
+    load_draft_weights(draft, directory, manifest)
+    draft.requires_grad_(False)
+    draft.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
+    draft.eval()
+    return draft

@@ -1,0 +1,74 @@
+"""The KV cache is an optimisation only: cached logits equal a full recompute."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.runner import ModelRunner, SessionKVCache, common_prefix_length
+
+
+def _full_logits(model, tokens, num_last):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -num_last:].float()
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+
+
+def test_cached_logits_match_recompute_through_rollbacks(tiny_loaded):
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+    rng = np.random.default_rng(0)
+    tokens = [1, 2, 3]
+    cached_seen = []
+    for _ in range(40):
+        # A verify-like step: prefix + up to 4 drafts, then keep a random part and add one token.
+        drafts = rng.integers(0, 8, size=rng.integers(0, 5)).tolist()
+        result = runner.last_logits("s", tokens + drafts, len(drafts) + 1)
+        expected = _full_logits(model, tokens + drafts, len(drafts) + 1)
+        torch.testing.assert_close(result.logits, expected, atol=1e-5, rtol=1e-5)
+        cached_seen.append(result.cached_tokens)
+        keep = int(rng.integers(0, len(drafts) + 1))
+        tokens = tokens + drafts[:keep] + [int(rng.integers(0, 8))]
+        if len(tokens) > 50:
+            tokens = tokens[:3]  # a different conversation: the cache must roll back to the prompt
+    assert runner.cache.hits > 30 and max(cached_seen) > 10
+
+
+def test_draft_like_single_token_steps_hit_the_cache(tiny_loaded):
+    model = tiny_loaded["draft"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+    tokens = [1, 2, 3, 4]
+    for step in range(10):
+        result = runner.last_logits("d", tokens, 1)
+        torch.testing.assert_close(result.logits, _full_logits(model, tokens, 1), atol=1e-5, rtol=1e-5)
+        if step:
+            assert result.cached_tokens == len(tokens) - 1
+        tokens.append(step % 8)
+
+
+def test_lru_bounds_entries_and_tokens(tiny_loaded):
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=2, max_tokens=12))
+    for session in ("a", "b", "c"):
+        runner.last_logits(session, [1, 2, 3, 4, 5], 1)
+    assert len(runner.cache) == 2  # "a" evicted by count
+    runner.last_logits("d", list(range(1, 8)) * 1, 1)
+    assert runner.cache.total_tokens <= 12
+    # A miss still gives the right answer.
+    result = runner.last_logits("a", [1, 2, 3, 4, 5], 1)
+    assert result.cached_tokens == 0
+    torch.testing.assert_close(result.logits, _full_logits(model, [1, 2, 3, 4, 5], 1), atol=1e-5, rtol=1e-5)
+
+
+def test_batched_left_padded_logits_match_single(tiny_loaded):
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=0, max_tokens=0))
+    sequences = [[1, 2, 3], [4, 5, 6, 7, 1, 2], [3]]
+    outputs = runner.batch_last_logits(sequences, [2, 3, 1])
+    for seq, n, out in zip(sequences, [2, 3, 1], outputs, strict=True):
+        torch.testing.assert_close(out, _full_logits(model, seq, n), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+
+from coordinator.settings import CoordinatorSettings
+from draft_service.settings import DraftSettings
+from specdec.settings import env_vars, load_settings
+from target_service.settings import TargetSettings
+
+
+def test_flag_beats_env_beats_default():
+    env = {"SPECDEC_DRAFT_PORT": "6000", "SPECDEC_DRAFT_MODEL": "/models/d"}
+    settings = load_settings(DraftSettings, ["--port", "7000"], env)
+    assert settings.port == 7000 and settings.model == "/models/d"
+    assert load_settings(DraftSettings, [], {}).port == 50052
+    assert load_settings(TargetSettings, [], {}).port == 50053
+    assert load_settings(CoordinatorSettings, [], {}).port == 50051
+
+
+def test_each_service_has_its_own_env_prefix():
+    assert env_vars(DraftSettings)["model"] == "SPECDEC_DRAFT_MODEL"
+    assert env_vars(TargetSettings)["model"] == "SPECDEC_TARGET_MODEL"
+    assert env_vars(CoordinatorSettings)["redis_url"] == "SPECDEC_COORDINATOR_REDIS_URL"
+
+
+def test_settings_are_frozen_and_validated():
+    settings = load_settings(CoordinatorSettings, [], {})
+    with pytest.raises(AttributeError):
+        settings.port = 1  # type: ignore[misc]
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, ["--default-k", "99"], {})
+    with pytest.raises(SystemExit):
+        load_settings(DraftSettings, [], {"SPECDEC_DRAFT_PORT": "not-a-number"})
+
+
+def test_booleans_and_floats_parse_from_env():
+    settings = load_settings(CoordinatorSettings, [], {"SPECDEC_COORDINATOR_DRAFT_TIMEOUT_S": "2.5"})
+    assert settings.draft_timeout_s == 2.5
