@@ -1,0 +1,80 @@
+"""Smoke test with the default real model: the packaged SmolLM2-135M-Instruct (GGUF).
+
+The draft is the target's first 6 layers + its final norm and head (shared
+weights, no second load): a real but poor draft, so greedy rounds reject often.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import start_stack, stop_stack
+from specdec.client import build_request
+from specdec.v1 import coordinator_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+DEFAULT = "smollm2-135m-instruct"
+
+
+def _shallow_draft(target_model, num_layers: int):
+    from transformers import AutoModelForCausalLM
+
+    config = target_model.config.__class__.from_dict(target_model.config.to_dict())
+    config.num_hidden_layers = num_layers
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(config)
+    draft.model.embed_tokens = target_model.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(target_model.model.layers[:num_layers])
+    draft.model.norm = target_model.model.norm
+    draft.model.rotary_emb = target_model.model.rotary_emb
+    draft.lm_head = target_model.lm_head
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def real_stack(redis_url):
+    from specdec.runner import ModelRunner, SessionKVCache
+    from specdec.serving import LoadedModel, ModelServerSettings, load_model
+    from specdec.settings import load_settings
+
+    target = load_model(load_settings(ModelServerSettings, [], {}, model=DEFAULT), "target")
+    draft_model = _shallow_draft(target.runner.model, 6)
+    draft_info = type(target.info)()
+    draft_info.CopyFrom(target.info)
+    draft_info.model_id, draft_info.role = f"{DEFAULT} (first 6 layers)", "draft"
+    draft = LoadedModel(ModelRunner(draft_model, SessionKVCache(8, 100_000)), draft_info)
+    stack = start_stack({"target": target, "draft": draft}, DEFAULT, redis_url)
+    yield stack, target
+    stop_stack(stack)
+
+
+def test_default_pair_greedy_equals_target_only(real_stack):
+    stack, target = real_stack
+    with stack.channel() as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        prompt = "Write a short poem about the sea."
+        greedy = dict(chat=True, max_new_tokens=32, temperature=0, ignore_eos=True)
+        speculative = stub.Generate(build_request(prompt, num_speculative_tokens=3, **greedy), timeout=600)
+        target_only = stub.Generate(build_request(prompt, num_speculative_tokens=0, **greedy), timeout=600)
+    tokens = list(speculative.completions[0].token_ids)
+    assert len(tokens) == 32
+    assert tokens == list(target_only.completions[0].token_ids)
+    assert speculative.completions[0].text.strip()
+    stats = speculative.stats
+    print(f"real pair: acceptance {stats.acceptance_rate:.3f}, {stats.mean_tokens_per_round:.2f} tokens/round")
+    assert stats.recovered_tokens > 0  # the shallow draft disagrees: the residual path ran
+    # And both equal Hugging Face's own greedy decoding of the target.
+    from specdec.models import load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer(rendered, add_special_tokens=False)["input_ids"]])
+    with torch.inference_mode():
+        # An explicit mask: this model's pad id is its EOS (<|im_end|>), which the chat prompt
+        # contains, and generate() would otherwise mask those prompt tokens out.
+        reference = target.runner.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, min_new_tokens=32
+        )
+    assert tokens == reference[0, ids.shape[1] :].tolist()
