@@ -27,11 +27,11 @@ CHUNK = 4096
 CASES = [
     # (id, K, sampling, samples, max_new_tokens)
     ("K3-T1", 3, Sampling(1.0), 20_000, LENGTH),
-    ("K1-T1", 1, Sampling(1.0), 8_000, LENGTH),
+    ("K1-T1", 1, Sampling(1.0), 14_000, LENGTH),
     # K = 8 needs 9 new tokens for a full round; the first 3 are a marginal of that law.
-    ("K8-T1", 8, Sampling(1.0), 8_000, 9),
-    ("K3-T0.7-topk4", 3, Sampling(0.7, top_k=4), 8_000, LENGTH),
-    ("K3-topp0.9", 3, Sampling(1.0, top_p=0.9), 8_000, LENGTH),
+    ("K8-T1", 8, Sampling(1.0), 14_000, 9),
+    ("K3-T0.7-topk4", 3, Sampling(0.7, top_k=4), 14_000, LENGTH),
+    ("K3-topp0.9", 3, Sampling(1.0, top_p=0.9), 14_000, LENGTH),
 ]
 
 
@@ -75,10 +75,11 @@ def test_pipeline_samples_follow_target_law(
     )
     statistic, p_value, bins = chi_square_fit(counts, law)
     needed = samples_to_detect(tv=0.05, bins=bins, significance=SIGNIFICANCE, power=0.9)
-    acceptance = accepted / drafted
+    # alpha-hat: accepted / examined positions (drafts after a rejection are never examined).
+    acceptance = accepted / (accepted + recovered)
     summary = (
         f"{case_id}: n={total} bins={bins} chi2={statistic:.1f} p={p_value:.4f} "
-        f"drafted={drafted} accepted={accepted} rejections={recovered} acceptance={acceptance:.3f} "
+        f"drafted={drafted} accepted={accepted} rejections={recovered} alpha-hat={acceptance:.3f} "
         f"(n for TV 0.05 at power 0.9: {needed})"
     )
     print(summary)
@@ -86,6 +87,6 @@ def test_pipeline_samples_follow_target_law(
     # The experiment must be able to see what it claims to rule out.
     assert total >= needed, summary
     # The pair must disagree, or the residual path is never exercised.
-    assert 0.2 <= acceptance <= 0.7 or sampling.top_k or sampling.top_p < 1, summary
+    assert 0.2 <= acceptance <= 0.7, summary
     assert recovered > total * 0.1, summary
     assert p_value > SIGNIFICANCE, summary
