@@ -41,6 +41,7 @@ COPY target_service ./target_service
 RUN python -m pip install --no-cache-dir "grpcio-tools==1.85.1" \
  && python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/v1/*.proto \
  && python -m pip install --no-cache-dir "torch==${TORCH_VERSION}" . \
+ && python -m pip uninstall -y grpcio-tools \
  && python -P -c "import coordinator.server, draft_service.server, target_service.server"
 
 # ---------------------------------------------------------------- runtime stage

@@ -28,6 +28,15 @@ def grpc_message_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
+def connection_age_options(max_connection_age_s: float) -> list[tuple[str, int]]:
+    """Close client connections after this age (0 = never), so that clients using
+    round_robin over DNS re-resolve and spread load onto pods added by an autoscaler."""
+    if max_connection_age_s <= 0:
+        return []
+    age_ms = int(max_connection_age_s * 1000)
+    return [("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", age_ms)]
+
+
 @dataclass
 class GrpcServer:
     server: grpc.Server
@@ -56,6 +65,7 @@ def build_grpc_server(
     metrics_label: str,
     metrics_port: int = -1,
     registry: Registry | None = None,
+    max_connection_age_s: float = 0.0,
 ) -> GrpcServer:
     """A ready-to-start server with health (NOT_SERVING until `set_serving`), reflection and metrics.
 
@@ -65,7 +75,7 @@ def build_grpc_server(
     registry = registry or Registry()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=grpc_message_options(max_message_mb),
+        options=grpc_message_options(max_message_mb) + connection_age_options(max_connection_age_s),
         interceptors=[MetricsInterceptor(registry, metrics_label)],
     )
     register(server)
@@ -126,6 +136,9 @@ class ModelServerSettings:
     max_batch_sequences: int = setting(8192, "MAX_BATCH_SEQUENCES", "most sequences in one request")
     max_workers: int = setting(8, "MAX_WORKERS", "gRPC worker threads")
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
+    max_connection_age_s: float = setting(
+        300.0, "MAX_CONNECTION_AGE_S", "close client connections after this age so new pods get traffic (0 = never)"
+    )
     torch_threads: int = setting(0, "TORCH_THREADS", "torch intra-op threads (0 = torch default)")
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
@@ -235,6 +248,7 @@ def start_model_server(
         [service_name],
         metrics_label=servicer.role,
         metrics_port=settings.metrics_port,
+        max_connection_age_s=settings.max_connection_age_s,
     )
     servicer.registry = grpc_server.registry
     grpc_server.server.start()
