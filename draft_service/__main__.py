@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from specdec.serving import configure_logging, serve_until_signal
+# Idle OpenMP threads must sleep, not spin: draft, target and coordinator often share cores,
+# and spinning workers of one process slow the others' forwards by an order of magnitude.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
 from specdec.settings import load_settings
 
 from draft_service.server import create_server

@@ -186,3 +186,22 @@ def test_nonfinite_logits_are_a_clear_error():
         warp_logits(torch.tensor([[float("-inf"), float("-inf")]]), Sampling(1.0))
     masked = warp_logits(torch.tensor([[0.0, float("-inf")]]), Sampling(1.0))  # -inf alone is a legal mask
     np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0]])
+
+
+def test_nucleus_fast_path_equals_full_sort():
+    from specdec.sampling import _nucleus
+
+    def reference(probs, top_p):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, -1) - sorted_probs
+        keep_sorted = mass_before < top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+        out = probs.masked_fill(~keep, 0.0)
+        return out / out.sum(-1, keepdim=True)
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.1, 1.0, 5.0, 20.0):  # flat laws take the full-sort fallback, peaked ones the top-k path
+        probs = torch.softmax(torch.randn(3, 5000, generator=gen, dtype=torch.float64) * scale, -1)
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            torch.testing.assert_close(_nucleus(probs, top_p), reference(probs, top_p), rtol=0, atol=0)
