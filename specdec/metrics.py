@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -17,7 +19,8 @@ import grpc
 def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
     if not names:
         return ""
-    inner = ",".join(f'{n}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for n, v in zip(names, values, strict=True))
+    escaped = (str(v).replace("\\", "\\\\").replace('"', '\\"') for v in values)
+    inner = ",".join(f'{n}="{v}"' for n, v in zip(names, escaped, strict=True))
     return "{" + inner + "}"
 
 
@@ -103,63 +106,52 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         )
         self.inflight.set(0, service=service)
 
+    @contextmanager
+    def _observe(self, method: str, context) -> Iterator[None]:
+        self.inflight.add(1, service=self.service)
+        started = time.perf_counter()
+        code = "UNKNOWN"
+        try:
+            yield
+            code = _code_of(context)
+        except Exception:
+            code = _code_of(context)
+            code = "INTERNAL" if code == "OK" else code
+            raise
+        finally:
+            self.inflight.add(-1, service=self.service)
+            self.calls.inc(service=self.service, method=method, code=code)
+            self.seconds.inc(time.perf_counter() - started, service=self.service, method=method)
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler is None or method in ("Check", "Watch") or "Reflection" in handler_call_details.method:
             return handler
-
-        def observe(started: float, code: str) -> None:
-            self.inflight.add(-1, service=self.service)
-            self.calls.inc(service=self.service, method=method, code=code)
-            self.seconds.inc(time.perf_counter() - started, service=self.service, method=method)
-
-        def code_of(context) -> str:
-            code = context.code() if hasattr(context, "code") else None
-            return code.name if isinstance(code, grpc.StatusCode) else "OK"
-
         if handler.unary_unary:
             inner = handler.unary_unary
 
             def unary(request, context):
-                self.inflight.add(1, service=self.service)
-                started = time.perf_counter()
-                code = "UNKNOWN"
-                try:
-                    response = inner(request, context)
-                    code = code_of(context)
-                    return response
-                except Exception:
-                    code = code_of(context)
-                    code = "INTERNAL" if code == "OK" else code
-                    raise
-                finally:
-                    observe(started, code)
+                with self._observe(method, context):
+                    return inner(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
             def stream(request, context):
-                self.inflight.add(1, service=self.service)
-                started = time.perf_counter()
-                code = "UNKNOWN"
-                try:
+                with self._observe(method, context):
                     yield from inner_stream(request, context)
-                    code = code_of(context)
-                except Exception:
-                    code = code_of(context)
-                    code = "INTERNAL" if code == "OK" else code
-                    raise
-                finally:
-                    observe(started, code)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
             )
         return handler
+
+
+def _code_of(context) -> str:
+    code = context.code() if hasattr(context, "code") else None
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
 
 
 def serve_metrics(registry: Registry, host: str, port: int) -> ThreadingHTTPServer:
