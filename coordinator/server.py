@@ -66,6 +66,13 @@ class TextStream:
         return out
 
 
+def validate_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidArgument("session_id is empty")
+    if len(session_id) > 128 or not session_id.isprintable() or any(c.isspace() for c in session_id):
+        raise InvalidArgument("session_id must be 1-128 printable characters without spaces")
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, settings: CoordinatorSettings, store: SessionStore, draft: DraftClient, target: TargetClient, tokenizer):
         from specdec.models import tokenizer_fingerprint
@@ -163,6 +170,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument("chat applies to a text prompt, not to prompt_token_ids")
         if any(not stop for stop in request.stop):
             raise InvalidArgument("stop strings must be non-empty")
+        if request.session_id:
+            validate_session_id(request.session_id)
         return sampling, max_new, k, num_samples
 
     def _prompt_tokens(self, request: coordinator_pb2.GenerateRequest, has_history: bool, vocab_size: int) -> list[int]:
@@ -282,8 +291,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @grpc_errors
     def GetSession(self, request, context):  # noqa: N802
-        if not request.session_id:
-            raise InvalidArgument("session_id is empty")
+        validate_session_id(request.session_id)
         record = self.store.get(request.session_id)
         return coordinator_pb2.Session(
             session_id=record.session_id,
@@ -296,8 +304,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @grpc_errors
     def DeleteSession(self, request, context):  # noqa: N802
-        if not request.session_id:
-            raise InvalidArgument("session_id is empty")
+        validate_session_id(request.session_id)
         return coordinator_pb2.DeleteSessionResponse(deleted=self.store.delete(request.session_id))
 
 

@@ -37,6 +37,7 @@ def _bad_requests(session_id: str):
     yield "samples with a session", build_request([1], num_samples=2, **ok), INVALID
     yield "too many samples", build_request([1], num_samples=10**6, max_new_tokens=2), INVALID
     yield "empty stop string", build_request([1], stop=[""], **ok), INVALID
+    yield "malformed session id", build_request([1], session_id="a b" * 100, max_new_tokens=2), INVALID
     yield "unknown session", build_request([1], session_id="no-such-session", max_new_tokens=2), grpc.StatusCode.NOT_FOUND
     both = build_request("a b", **ok)
     both.prompt_token_ids.append(1)
