@@ -8,7 +8,7 @@ import math
 import grpc
 import pytest
 
-from conftest import start_stack, stop_stack
+from service_stack import start_stack, stop_stack
 from specdec.client import build_request
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc
 from tiny_models import build_tiny_model

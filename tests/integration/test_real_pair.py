@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import start_stack, stop_stack
+from service_stack import start_stack, stop_stack
 from specdec.client import build_request
 from specdec.v1 import coordinator_pb2_grpc
 

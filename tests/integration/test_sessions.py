@@ -7,7 +7,7 @@ import threading
 import grpc
 import pytest
 
-from conftest import start_stack, stop_stack
+from service_stack import start_stack, stop_stack
 from specdec.client import build_request
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
