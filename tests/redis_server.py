@@ -12,7 +12,10 @@ from specdec.local_redis import redis_server_binary, temporary_redis, wait_for_r
 
 @contextmanager
 def _container() -> Iterator[str]:
-    from testcontainers.redis import RedisContainer
+    try:
+        from testcontainers.community.redis import RedisContainer
+    except ImportError:  # testcontainers < 4.10
+        from testcontainers.redis import RedisContainer
 
     with RedisContainer("redis:7-alpine") as container:
         host = container.get_container_host_ip()
