@@ -44,6 +44,7 @@ class GenerationSpec:
     eos_token_ids: frozenset[int] = frozenset()
     num_samples: int = 1
     max_context: int = 0  # the target's position limit (0 = unknown)
+    max_draft_context: int = 0  # the draft's position limit (0 = unknown)
     cache_key: str = ""  # KV-cache key for the model services (single-sample requests)
     sample_batch_size: int = 1024
 
@@ -125,8 +126,9 @@ class SpeculativeEngine:
     def _num_draft_tokens(self, spec: GenerationSpec, sample: Sample) -> int:
         # Drafting past max_new_tokens or the context window is wasted work.
         k = min(spec.num_speculative_tokens, spec.max_new_tokens - len(sample.generated) - 1)
-        if spec.max_context:
-            k = min(k, spec.max_context - len(sample.context))
+        for limit in (spec.max_context, spec.max_draft_context):
+            if limit:
+                k = min(k, limit - len(sample.context))
         return max(0, k)
 
     def _cache_key(self, spec: GenerationSpec, sample: Sample) -> str:

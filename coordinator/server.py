@@ -228,6 +228,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=eos,
             num_samples=num_samples,
             max_context=max_context,
+            max_draft_context=pools.draft.max_position_embeddings if pools.draft is not None else 0,
             cache_key=session_id or "",
             sample_batch_size=self.settings.sample_batch_size,
         )
