@@ -79,7 +79,9 @@ def _mapped(service: str, address: str, exc: grpc.RpcError) -> ServiceError:
 class ModelClient:
     """One pool (draft or target): a channel, the call deadline and the pool's ModelInfo."""
 
-    def __init__(self, role: str, address: str, stub, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
+    def __init__(
+        self, role: str, address: str, stub, call_timeout_s: float, info_timeout_s: float, max_message_mb: int
+    ):
         self.role = role
         self.address = address
         self.channel = open_channel(address, max_message_mb)
@@ -105,7 +107,9 @@ class ModelClient:
 
 class DraftClient(ModelClient):
     def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
-        super().__init__("draft", address, draft_pb2_grpc.DraftServiceStub, call_timeout_s, info_timeout_s, max_message_mb)
+        super().__init__(
+            "draft", address, draft_pb2_grpc.DraftServiceStub, call_timeout_s, info_timeout_s, max_message_mb
+        )
 
     def propose(self, request: draft_pb2.ProposeRequest, deadline: Deadline) -> draft_pb2.ProposeResponse:
         return self.call(self.stub.Propose, request, deadline)

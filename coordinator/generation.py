@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.clients import Deadline
 from specdec.errors import ServiceError
 from specdec.sampling import Sampling, derive_seed, rng_for, speculative_round
 from specdec.v1 import coordinator_pb2, draft_pb2, target_pb2
 from specdec.wire import decode_probs, sampling_to_proto
-
-from coordinator.clients import Deadline
 
 FINISH_LENGTH = coordinator_pb2.FINISH_REASON_LENGTH
 FINISH_EOS = coordinator_pb2.FINISH_REASON_EOS
@@ -111,7 +110,9 @@ class SpeculativeEngine:
         self.target = target
         self.decode = decode
 
-    def run(self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline) -> Iterator[RoundEvent]:
+    def run(
+        self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline
+    ) -> Iterator[RoundEvent]:
         """Advance `samples` in lockstep rounds until each finishes; yields after every round."""
         round_index = 0
         while True:

@@ -10,20 +10,18 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-
-from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
-from specdec.sampling import Sampling
-from specdec.serving import GrpcServer, build_grpc_server
-from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specdec.wire import sampling_from_proto
 
 from coordinator.clients import Deadline, DraftClient, TargetClient, check_compatible
 from coordinator.generation import GenerationSpec, Sample, SpeculativeEngine, Stats, batches, new_samples
 from coordinator.sessions import SessionLease, SessionStore
 from coordinator.settings import CoordinatorSettings
+from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
+from specdec.sampling import Sampling
+from specdec.serving import GrpcServer, build_grpc_server
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specdec.wire import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +72,9 @@ def validate_session_id(session_id: str) -> None:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, settings: CoordinatorSettings, store: SessionStore, draft: DraftClient, target: TargetClient, tokenizer):
+    def __init__(
+        self, settings: CoordinatorSettings, store: SessionStore, draft: DraftClient, target: TargetClient, tokenizer
+    ):
         from specdec.models import tokenizer_fingerprint
 
         self.settings = settings
@@ -154,7 +154,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else s.default_max_new_tokens
         if not 1 <= max_new <= s.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens must be in [1, {s.max_new_tokens_limit}], got {max_new}")
-        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else s.default_num_speculative_tokens
+        k = (
+            request.num_speculative_tokens
+            if request.HasField("num_speculative_tokens")
+            else s.default_num_speculative_tokens
+        )
         if not 0 <= k <= s.max_num_speculative_tokens:
             raise InvalidArgument(f"num_speculative_tokens must be in [0, {s.max_num_speculative_tokens}], got {k}")
         num_samples = request.num_samples or 1
@@ -216,7 +220,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         context_ids = history + prompt
         max_context = pools.target.max_position_embeddings
         if max_context and len(context_ids) >= max_context:
-            raise InvalidArgument(f"{len(context_ids)} context tokens leave no room in the target's {max_context} positions")
+            raise InvalidArgument(
+                f"{len(context_ids)} context tokens leave no room in the target's {max_context} positions"
+            )
         eos = frozenset() if request.ignore_eos else frozenset(pools.target.eos_token_ids)
         spec = GenerationSpec(
             context_token_ids=context_ids,
@@ -278,7 +284,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 final = not sample.running
                 chunk_text = text.delta(self.engine.text_of(sample), final)
                 yield coordinator_pb2.GenerateChunk(
-                    text=chunk_text, token_ids=event.new_tokens.get(sample.index, []), session_id=session_id, seed=spec.seed
+                    text=chunk_text,
+                    token_ids=event.new_tokens.get(sample.index, []),
+                    session_id=session_id,
+                    seed=spec.seed,
                 )
             self._record(stats, len(sample.generated))
             yield coordinator_pb2.GenerateChunk(
@@ -317,7 +326,9 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     store = SessionStore.from_url(
         settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s
     )
-    draft = DraftClient(settings.draft_address, settings.draft_timeout_s, settings.info_timeout_s, settings.max_message_mb)
+    draft = DraftClient(
+        settings.draft_address, settings.draft_timeout_s, settings.info_timeout_s, settings.max_message_mb
+    )
     target = TargetClient(
         settings.target_address, settings.verify_timeout_s, settings.info_timeout_s, settings.max_message_mb
     )
@@ -337,7 +348,8 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     try:
         store.ping()
     except Unavailable:
-        log.warning("Redis at %s is not reachable yet; session calls fail with UNAVAILABLE until it is", settings.redis_url)
+        log.warning(
+            "Redis at %s is not reachable yet; session calls fail with UNAVAILABLE until it is", settings.redis_url
+        )
     grpc_server.set_serving(True)
     return grpc_server, grpc_server.port
-

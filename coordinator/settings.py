@@ -23,9 +23,7 @@ class CoordinatorSettings:
         "localhost:50053", "TARGET_ADDRESS", "target service: host:port, a comma list, or a gRPC target (dns:///...)"
     )
     redis_url: str = setting("redis://localhost:6379/0", "REDIS_URL", "Redis holding the sessions")
-    tokenizer: str = setting(
-        "smollm2-135m-instruct", "TOKENIZER", "the target's tokenizer: same forms as a model spec"
-    )
+    tokenizer: str = setting("smollm2-135m-instruct", "TOKENIZER", "the target's tokenizer: same forms as a model spec")
     session_ttl_s: int = setting(86400, "SESSION_TTL_S", "seconds a session lives after its last update")
     session_lock_ttl_s: int = setting(60, "SESSION_LOCK_TTL_S", "lease of a session lock, renewed every round")
     session_key_prefix: str = setting("specdec:v1", "SESSION_KEY_PREFIX", "Redis key prefix")
@@ -34,7 +32,9 @@ class CoordinatorSettings:
     info_timeout_s: float = setting(10.0, "INFO_TIMEOUT_S", "deadline of one Info call")
     default_num_speculative_tokens: int = setting(4, "DEFAULT_K", "K when a request does not set it")
     max_num_speculative_tokens: int = setting(16, "MAX_K", "largest K a request may ask for")
-    default_max_new_tokens: int = setting(128, "DEFAULT_MAX_NEW_TOKENS", "max_new_tokens when a request does not set it")
+    default_max_new_tokens: int = setting(
+        128, "DEFAULT_MAX_NEW_TOKENS", "max_new_tokens when a request does not set it"
+    )
     max_new_tokens_limit: int = setting(4096, "MAX_NEW_TOKENS_LIMIT", "largest max_new_tokens accepted")
     max_num_samples: int = setting(1024, "MAX_NUM_SAMPLES", "largest num_samples accepted")
     sample_batch_size: int = setting(1024, "SAMPLE_BATCH_SIZE", "samples sent to the models in one batch")

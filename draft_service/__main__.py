@@ -9,11 +9,10 @@ import sys
 # and spinning workers of one process slow the others' forwards by an order of magnitude.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
-from specdec.settings import load_settings
-
 from draft_service.server import create_server
 from draft_service.settings import DraftSettings
+from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
+from specdec.settings import load_settings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from draft_service.proposer import DraftRequest, propose
+from draft_service.settings import DraftSettings
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.serving import (
     GrpcServer,
@@ -14,9 +16,6 @@ from specdec.serving import (
 )
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.wire import encode_probs, sampling_from_proto
-
-from draft_service.proposer import DraftRequest, propose
-from draft_service.settings import DraftSettings
 
 
 class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
@@ -73,4 +72,3 @@ def create_server(settings: DraftSettings, loaded: LoadedModel | None = None) ->
         loaded,
     )
     return grpc_server, grpc_server.port
-

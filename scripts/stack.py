@@ -148,7 +148,7 @@ if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else "run"
     if command == "up":
         up()
-        print("stack is up: `.venv/bin/specdec generate \"Hello\"`; stop it with `make down`")
+        print('stack is up: `.venv/bin/specdec generate "Hello"`; stop it with `make down`')
     elif command == "down":
         down()
     elif command == "run":

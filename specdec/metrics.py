@@ -98,9 +98,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def __init__(self, registry: Registry, service: str):
         self.service = service
         self.inflight = registry.gauge("specdec_inflight_requests", "gRPC calls being served", ("service",))
-        self.calls = registry.counter(
-            "specdec_requests_total", "gRPC calls served", ("service", "method", "code")
-        )
+        self.calls = registry.counter("specdec_requests_total", "gRPC calls served", ("service", "method", "code"))
         self.seconds = registry.counter(
             "specdec_request_seconds_total", "seconds spent serving gRPC calls", ("service", "method")
         )

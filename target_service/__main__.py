@@ -11,7 +11,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
 from specdec.settings import load_settings
-
 from target_service.server import create_server
 from target_service.settings import TargetSettings
 

@@ -14,7 +14,6 @@ from specdec.serving import (
 )
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import encode_probs, sampling_from_proto
-
 from target_service.settings import TargetSettings
 from target_service.verifier import VerifyRequest, verify
 

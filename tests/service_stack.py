@@ -38,7 +38,9 @@ def start_stack(loaded, tokenizer_dir: str, redis_url: str, draft_loaded=None, *
     draft_server, draft_port = create_draft(
         load_settings(DraftSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0), draft_loaded or loaded["draft"]
     )
-    target_server, target_port = create_target(load_settings(TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0), loaded["target"])
+    target_server, target_port = create_target(
+        load_settings(TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0), loaded["target"]
+    )
     overrides = dict(
         host="127.0.0.1",
         port=0,

@@ -7,11 +7,11 @@ import math
 
 import grpc
 import pytest
-
 from service_stack import start_stack, stop_stack
+from tiny_models import build_tiny_model
+
 from specdec.client import build_request
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc
-from tiny_models import build_tiny_model
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -38,7 +38,11 @@ def _bad_requests(session_id: str):
     yield "too many samples", build_request([1], num_samples=10**6, max_new_tokens=2), INVALID
     yield "empty stop string", build_request([1], stop=[""], **ok), INVALID
     yield "malformed session id", build_request([1], session_id="a b" * 100, max_new_tokens=2), INVALID
-    yield "unknown session", build_request([1], session_id="no-such-session", max_new_tokens=2), grpc.StatusCode.NOT_FOUND
+    yield (
+        "unknown session",
+        build_request([1], session_id="no-such-session", max_new_tokens=2),
+        grpc.StatusCode.NOT_FOUND,
+    )
     both = build_request("a b", **ok)
     both.prompt_token_ids.append(1)
     yield "prompt and ids", both, INVALID
@@ -84,7 +88,9 @@ def test_model_services_validate_their_own_input(tiny_stack):
                 sequences=[draft_pb2.DraftSequence(prefix_token_ids=[1], num_draft_tokens=1)],
                 sampling=common_pb2.SamplingParams(temperature=-1),
             ),
-            draft_pb2.ProposeRequest(sequences=[draft_pb2.DraftSequence(prefix_token_ids=[1] * 64, num_draft_tokens=4)]),
+            draft_pb2.ProposeRequest(
+                sequences=[draft_pb2.DraftSequence(prefix_token_ids=[1] * 64, num_draft_tokens=4)]
+            ),
         ]
         for request in cases:
             with pytest.raises(grpc.RpcError) as err:

@@ -37,7 +37,9 @@ def test_same_seed_same_output_and_stats(coordinator_stub):
     second = coordinator_stub.Generate(request)
     assert first.completions[0].token_ids == second.completions[0].token_ids
     assert first.seed == 7
-    other = coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=30, seed=8, num_speculative_tokens=3, ignore_eos=True))
+    other = coordinator_stub.Generate(
+        build_request(PROMPT, max_new_tokens=30, seed=8, num_speculative_tokens=3, ignore_eos=True)
+    )
     assert other.completions[0].token_ids != first.completions[0].token_ids
     stats = first.stats
     assert stats.generated_tokens == 30 and stats.prompt_tokens == len(PROMPT)

@@ -22,7 +22,10 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> 
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass

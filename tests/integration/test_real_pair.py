@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from service_stack import start_stack, stop_stack
+
 from specdec.client import build_request
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -69,7 +69,9 @@ def test_default_pair_greedy_equals_target_only(real_stack):
     from specdec.models import load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT)
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
     ids = torch.tensor([tokenizer(rendered, add_special_tokens=False)["input_ids"]])
     with torch.inference_mode():
         # An explicit mask: this model's pad id is its EOS (<|im_end|>), which the chat prompt

@@ -6,8 +6,8 @@ import threading
 
 import grpc
 import pytest
-
 from service_stack import start_stack, stop_stack
+
 from specdec.client import build_request
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -91,9 +91,7 @@ def test_busy_session_is_rejected_and_left_unchanged(coordinator_stub, tiny_stac
 
 def test_concurrent_calls_on_one_session_never_interleave(coordinator_stub):
     created = coordinator_stub.Generate(build_request([1, 2, 3], max_new_tokens=2, **GREEDY))
-    base = list(
-        coordinator_stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=created.session_id)).token_ids
-    )
+    base = list(coordinator_stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=created.session_id)).token_ids)
     results: list = []
 
     def call(marker: int) -> None:
@@ -113,7 +111,9 @@ def test_concurrent_calls_on_one_session_never_interleave(coordinator_stub):
     succeeded = [(m, toks) for m, toks in results if isinstance(toks, list)]
     rejected = [code for _, code in results if not isinstance(code, list)]
     assert succeeded and all(code == grpc.StatusCode.ABORTED for code in rejected)
-    stored = list(coordinator_stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=created.session_id)).token_ids)
+    stored = list(
+        coordinator_stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=created.session_id)).token_ids
+    )
     # The history is the base followed by whole turns, one after another, never mixed.
     rest = stored[len(base) :]
     assert stored[: len(base)] == base

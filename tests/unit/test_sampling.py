@@ -137,7 +137,7 @@ def test_one_position_by_sampling_matches_target_chi_square():
     rng = np.random.default_rng(2024)
     n = 40_000
     counts = np.zeros(4)
-    for i in range(n):
+    for _ in range(n):
         x = sample_token(normalize(q), rng.random())
         # K = 1 and keep only the first emitted token: the law of position 1.
         counts[speculative_round([x], q[None], np.stack([p, p]), rng).tokens[0]] += 1

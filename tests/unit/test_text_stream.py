@@ -4,7 +4,11 @@ from coordinator.server import TextStream
 
 def test_deltas_concatenate_to_final_text_and_hold_back_stop_prefixes():
     stream = TextStream(stop=("END",))
-    pieces = [stream.delta("Hello wor", False), stream.delta("Hello world E", False), stream.delta("Hello world EN", False)]
+    pieces = [
+        stream.delta("Hello wor", False),
+        stream.delta("Hello world E", False),
+        stream.delta("Hello world EN", False),
+    ]
     assert pieces[1] == "ld " and pieces[2] == ""  # "E"/"EN" could start "END"
     pieces.append(stream.delta("Hello world ", True))  # final text cut at the stop string
     assert "".join(pieces) == "Hello world "
