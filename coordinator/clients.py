@@ -20,13 +20,19 @@ _SERVICE_CONFIG = json.dumps(
         "loadBalancingConfig": [{"round_robin": {}}],
         "methodConfig": [
             {
-                "name": [{"service": "grpc.health.v1.Health"}],
+                # Propose / Verify / Info are pure functions of the request (seeded): safe to retry,
+                # on another pod when one is down or at capacity.
+                "name": [
+                    {"service": "grpc.health.v1.Health"},
+                    {"service": "specdec.v1.DraftService"},
+                    {"service": "specdec.v1.TargetService"},
+                ],
                 "retryPolicy": {
                     "maxAttempts": 3,
                     "initialBackoff": "0.1s",
                     "maxBackoff": "1s",
                     "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
+                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
                 },
             }
         ],

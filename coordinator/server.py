@@ -342,6 +342,7 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
         metrics_label="coordinator",
         metrics_port=settings.metrics_port,
+        max_concurrent_requests=settings.max_concurrent_requests,
     )
     servicer.use_registry(grpc_server.registry)
     grpc_server.server.start()

@@ -38,7 +38,10 @@ class CoordinatorSettings:
     max_new_tokens_limit: int = setting(4096, "MAX_NEW_TOKENS_LIMIT", "largest max_new_tokens accepted")
     max_num_samples: int = setting(1024, "MAX_NUM_SAMPLES", "largest num_samples accepted")
     sample_batch_size: int = setting(1024, "SAMPLE_BATCH_SIZE", "samples sent to the models in one batch")
-    max_workers: int = setting(16, "MAX_WORKERS", "gRPC worker threads (concurrent requests)")
+    max_workers: int = setting(32, "MAX_WORKERS", "gRPC worker threads")
+    max_concurrent_requests: int = setting(
+        28, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
+    )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
@@ -52,5 +55,7 @@ class CoordinatorSettings:
             raise ValueError("default max_new_tokens must be in [1, max_new_tokens_limit]")
         if self.session_ttl_s < 1 or self.session_lock_ttl_s < 1:
             raise ValueError("session TTLs must be >= 1 s")
+        if not 1 <= self.max_concurrent_requests < self.max_workers:
+            raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
         if self.sample_batch_size < 1 or self.max_num_samples < 1:
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")

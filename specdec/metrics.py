@@ -93,10 +93,18 @@ class Registry:
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):
-    """Counts every unary/stream call by method and status; tracks calls in flight."""
+    """Counts every unary/stream call by method and status; tracks calls in flight.
 
-    def __init__(self, registry: Registry, service: str):
+    With `max_concurrent` > 0 it is also the admission control: a call beyond that many in
+    flight gets RESOURCE_EXHAUSTED at once instead of queueing for a worker thread, which
+    keeps threads free for health probes (they are never counted or refused).
+    """
+
+    def __init__(self, registry: Registry, service: str, max_concurrent: int = 0):
         self.service = service
+        self.max_concurrent = max_concurrent
+        self._admitted = 0
+        self._admission_lock = threading.Lock()
         self.inflight = registry.gauge("specdec_inflight_requests", "gRPC calls being served", ("service",))
         self.calls = registry.counter("specdec_requests_total", "gRPC calls served", ("service", "method", "code"))
         self.seconds = registry.counter(
@@ -104,8 +112,21 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         )
         self.inflight.set(0, service=service)
 
+    def _admit(self) -> bool:
+        with self._admission_lock:
+            if self.max_concurrent and self._admitted >= self.max_concurrent:
+                return False
+            self._admitted += 1
+            return True
+
     @contextmanager
     def _observe(self, method: str, context) -> Iterator[None]:
+        if not self._admit():
+            self.calls.inc(service=self.service, method=method, code="RESOURCE_EXHAUSTED")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.service} is at capacity ({self.max_concurrent} calls in flight); retry shortly",
+            )
         self.inflight.add(1, service=self.service)
         started = time.perf_counter()
         code = "UNKNOWN"
@@ -117,6 +138,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             code = "INTERNAL" if code == "OK" else code
             raise
         finally:
+            with self._admission_lock:
+                self._admitted -= 1
             self.inflight.add(-1, service=self.service)
             self.calls.inc(service=self.service, method=method, code=code)
             self.seconds.inc(time.perf_counter() - started, service=self.service, method=method)

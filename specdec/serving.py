@@ -66,6 +66,7 @@ def build_grpc_server(
     metrics_port: int = -1,
     registry: Registry | None = None,
     max_connection_age_s: float = 0.0,
+    max_concurrent_requests: int = 0,
 ) -> GrpcServer:
     """A ready-to-start server with health (NOT_SERVING until `set_serving`), reflection and metrics.
 
@@ -76,7 +77,7 @@ def build_grpc_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=grpc_message_options(max_message_mb) + connection_age_options(max_connection_age_s),
-        interceptors=[MetricsInterceptor(registry, metrics_label)],
+        interceptors=[MetricsInterceptor(registry, metrics_label, max_concurrent_requests)],
     )
     register(server)
     health_servicer = health.HealthServicer()
@@ -134,7 +135,10 @@ class ModelServerSettings:
     cache_max_tokens: int = setting(262144, "CACHE_MAX_TOKENS", "KV cache: most tokens kept over all sessions")
     max_draft_tokens: int = setting(32, "MAX_DRAFT_TOKENS", "largest K accepted per request")
     max_batch_sequences: int = setting(8192, "MAX_BATCH_SEQUENCES", "most sequences in one request")
-    max_workers: int = setting(8, "MAX_WORKERS", "gRPC worker threads")
+    max_workers: int = setting(16, "MAX_WORKERS", "gRPC worker threads")
+    max_concurrent_requests: int = setting(
+        12, "MAX_CONCURRENT_REQUESTS", "calls admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
+    )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
     max_connection_age_s: float = setting(
         300.0, "MAX_CONNECTION_AGE_S", "close client connections after this age so new pods get traffic (0 = never)"
@@ -148,6 +152,8 @@ class ModelServerSettings:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_draft_tokens < 1 or self.max_batch_sequences < 1 or self.max_workers < 1:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
+        if not 1 <= self.max_concurrent_requests < self.max_workers:
+            raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
 
 
 def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: str) -> common_pb2.ModelInfo:
@@ -249,6 +255,7 @@ def start_model_server(
         metrics_label=servicer.role,
         metrics_port=settings.metrics_port,
         max_connection_age_s=settings.max_connection_age_s,
+        max_concurrent_requests=settings.max_concurrent_requests,
     )
     servicer.registry = grpc_server.registry
     grpc_server.server.start()
