@@ -64,6 +64,23 @@ class TextStream:
         return out
 
 
+def chat_turn_text(tokenizer, prompt: str, continuing: bool) -> str:
+    """The chat-template text of one user turn, ending with the assistant's generation prompt.
+
+    A first turn is the whole template (with any default system prompt). A follow-up turn in a
+    session is what the template adds after an earlier exchange, so the system prompt and BOS
+    are not repeated; templates that are not prefix-stable fall back to the first-turn form.
+    """
+    user = {"role": "user", "content": prompt}
+    if continuing:
+        earlier = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+        before = tokenizer.apply_chat_template(earlier, tokenize=False)
+        after = tokenizer.apply_chat_template([*earlier, user], add_generation_prompt=True, tokenize=False)
+        if after.startswith(before):
+            return after[len(before) :]
+    return tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+
+
 def validate_session_id(session_id: str) -> None:
     if not session_id:
         raise InvalidArgument("session_id is empty")
@@ -188,9 +205,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.prompt:
             return []
         if request.chat:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": request.prompt}], add_generation_prompt=True, tokenize=False
-            )
+            rendered = chat_turn_text(self.tokenizer, request.prompt, continuing=has_history)
             return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         # A continued session already has its BOS.
         return self.tokenizer(request.prompt, add_special_tokens=not has_history)["input_ids"]
