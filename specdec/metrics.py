@@ -72,7 +72,13 @@ class Gauge(_Metric):
 class Registry:
     def __init__(self):
         self._metrics: dict[str, _Metric] = {}
+        self._collectors: list = []
         self._lock = threading.Lock()
+
+    def add_collector(self, collect) -> None:
+        """`collect()` -> exposition lines, read at scrape time (state owned elsewhere)."""
+        with self._lock:
+            self._collectors.append(collect)
 
     def _get(self, cls, name: str, help_text: str, labels: tuple[str, ...]):
         with self._lock:
@@ -89,7 +95,11 @@ class Registry:
     def render(self) -> str:
         with self._lock:
             metrics = list(self._metrics.values())
-        return "\n".join(line for m in metrics for line in m.render()) + "\n"
+            collectors = list(self._collectors)
+        lines = [line for m in metrics for line in m.render()]
+        for collect in collectors:
+            lines.extend(collect())
+        return "\n".join(lines) + "\n"
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

@@ -232,6 +232,20 @@ class ModelServicerBase:
         return self._loaded
 
 
+def kv_cache_metric_lines(cache, role: str) -> list[str]:
+    label = f'{{service="{role}"}}'
+    return [
+        "# TYPE specdec_kv_cache_hits_total counter",
+        f"specdec_kv_cache_hits_total{label} {cache.hits}",
+        "# TYPE specdec_kv_cache_misses_total counter",
+        f"specdec_kv_cache_misses_total{label} {cache.misses}",
+        "# TYPE specdec_kv_cache_sessions gauge",
+        f"specdec_kv_cache_sessions{label} {len(cache)}",
+        "# TYPE specdec_kv_cache_tokens gauge",
+        f"specdec_kv_cache_tokens{label} {cache.total_tokens}",
+    ]
+
+
 def start_model_server(
     settings: ModelServerSettings,
     servicer: ModelServicerBase,
@@ -262,6 +276,7 @@ def start_model_server(
 
     def attach(model: LoadedModel) -> None:
         servicer.attach(model)
+        grpc_server.registry.add_collector(lambda: kv_cache_metric_lines(model.runner.cache, servicer.role))
         grpc_server.set_serving(True)
         log.info("%s model %s loaded; serving on port %d", servicer.role, model.info.model_id, grpc_server.port)
 

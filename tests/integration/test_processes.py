@@ -53,6 +53,7 @@ def test_draft_process_serves_after_load_exposes_metrics_and_stops_on_sigterm(ti
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         assert 'specdec_requests_total{service="draft",method="Info",code="OK"} 1' in body
         assert 'specdec_inflight_requests{service="draft"} 0' in body
+        assert 'specdec_kv_cache_sessions{service="draft"} 0' in body
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
