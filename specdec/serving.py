@@ -132,7 +132,8 @@ class ModelServerSettings:
     dtype: str = setting("float32", "DTYPE", "float32 | bfloat16 | float16 (float32 is fastest on CPUs without bf16)")
     device: str = setting("cpu", "DEVICE", "cpu | cuda | cuda:N | auto")
     cache_max_entries: int = setting(64, "CACHE_MAX_ENTRIES", "KV cache: most sessions kept (LRU)")
-    cache_max_tokens: int = setting(262144, "CACHE_MAX_TOKENS", "KV cache: most tokens kept over all sessions")
+    # SmolLM2-135M keeps 46 KB of keys/values per token in fp32: 32768 tokens is ~1.5 GB.
+    cache_max_tokens: int = setting(32768, "CACHE_MAX_TOKENS", "KV cache: most tokens kept over all sessions")
     max_draft_tokens: int = setting(32, "MAX_DRAFT_TOKENS", "largest K accepted per request")
     max_batch_sequences: int = setting(8192, "MAX_BATCH_SEQUENCES", "most sequences in one request")
     max_workers: int = setting(16, "MAX_WORKERS", "gRPC worker threads")
