@@ -211,7 +211,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self.tokenizer(request.prompt, add_special_tokens=not has_history)["input_ids"]
 
     def _start(self, request, context, streaming: bool, stack: ExitStack):
-        """Validate, resolve the session, tokenise: -> (spec, lease or None, session_id)."""
+        """Validate, resolve the session, tokenise: -> (spec, lease or None, session id, deadline, prompt length)."""
         sampling, max_new, k, num_samples = self._validate(request, streaming)
         deadline = self._deadline(context)
         pools = self.pool_info(deadline, need_draft=k > 0)
