@@ -54,6 +54,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session(args: argparse.Namespace) -> int:
+    with SpecdecClient(args.address, timeout_s=args.timeout) as client:
+        if args.action == "delete":
+            print("deleted" if client.delete_session(args.session_id) else "no such session")
+            return 0
+        session = client.get_session(args.session_id)
+        print(f"session {session.session_id}: {len(session.token_ids)} tokens, expires in {session.ttl_seconds}s")
+        print(session.text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--quiet", action="store_true", help="no stats")
     gen.set_defaults(func=_generate)
+    session = sub.add_parser("session", help="show or delete a stored session")
+    session.add_argument("action", choices=["show", "delete"])
+    session.add_argument("session_id")
+    session.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
+    session.add_argument("--timeout", type=float, default=30.0)
+    session.set_defaults(func=_session)
     try:  # distill / eval-draft live with the training code (heavier imports, loaded on use)
         from specdec.distill.cli import add_subcommands
     except ImportError:
