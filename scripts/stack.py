@@ -4,8 +4,9 @@
   python scripts/stack.py up     start everything and leave it running (state in .run/)
   python scripts/stack.py down   stop what `up` started
 
-Environment: SPECDEC_TARGET_MODEL / SPECDEC_DRAFT_MODEL choose the pair (default:
-the packaged SmolLM2-135M-Instruct for both), REDIS_URL uses an existing Redis,
+Environment: SPECDEC_TARGET_MODEL / SPECDEC_DRAFT_MODEL choose the pair (default: the
+packaged SmolLM2-135M-Instruct as target, and the 2-layer draft distilled for it that ships
+in drafts/), REDIS_URL uses an existing Redis,
 SPECDEC_DEMO_PROMPT changes the demo prompt. Other SPECDEC_* variables reach the
 services as their settings.
 """
@@ -34,6 +35,9 @@ COORDINATOR_PORT = int(os.environ.get("SPECDEC_COORDINATOR_PORT", "50051"))
 DRAFT_PORT = int(os.environ.get("SPECDEC_DRAFT_PORT", "50052"))
 TARGET_PORT = int(os.environ.get("SPECDEC_TARGET_PORT", "50053"))
 DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences why the sky is blue.")
+DEFAULT_TARGET = "smollm2-135m-instruct"
+# Distilled with `specdec distill` for DEFAULT_TARGET (see docs/drafts.md and its MODEL_CARD.md).
+DEFAULT_DRAFT = ROOT / "drafts" / "smollm2-135m-instruct-2l"
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -76,8 +80,8 @@ def up() -> dict:
             redis_url = f"redis://127.0.0.1:{port}/0"
         wait_for_redis(redis_url)
         print(f"  {'redis':<12} {redis_url}")
-        target_model = env.setdefault("SPECDEC_TARGET_MODEL", "smollm2-135m-instruct")
-        env.setdefault("SPECDEC_DRAFT_MODEL", target_model)
+        target_model = env.setdefault("SPECDEC_TARGET_MODEL", DEFAULT_TARGET)
+        env.setdefault("SPECDEC_DRAFT_MODEL", str(DEFAULT_DRAFT) if target_model == DEFAULT_TARGET else target_model)
         env.setdefault("SPECDEC_COORDINATOR_TOKENIZER", target_model)
         env["SPECDEC_COORDINATOR_REDIS_URL"] = redis_url
         env["SPECDEC_COORDINATOR_DRAFT_ADDRESS"] = f"127.0.0.1:{DRAFT_PORT}"
@@ -137,7 +141,7 @@ def run() -> int:
 
         print(f"\nprompt: {DEMO_PROMPT}\n")
         argv = ["generate", DEMO_PROMPT, "--address", state["coordinator"], "--chat", "--max-new-tokens", "64"]
-        argv += ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0", "-k", os.environ.get("SPECDEC_DEMO_K", "3")]
+        argv += ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0", "-k", os.environ.get("SPECDEC_DEMO_K", "2")]
         return cli(argv)
     finally:
         print()

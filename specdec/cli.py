@@ -90,12 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
     session.add_argument("--timeout", type=float, default=30.0)
     session.set_defaults(func=_session)
-    try:  # distill / eval-draft live with the training code (heavier imports, loaded on use)
-        from specdec.distill.cli import add_subcommands
-    except ImportError:
-        pass
-    else:
-        add_subcommands(sub)
+    # distill / eval-draft live with the training code; their heavy imports load on use.
+    from specdec.distill.cli import add_subcommands
+
+    add_subcommands(sub)
     return parser
 
 

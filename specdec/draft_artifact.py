@@ -141,6 +141,7 @@ def save_draft_artifact(
     tmp = directory / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": ARTIFACT_FORMAT})
     tmp.replace(directory / WEIGHTS_FILE)
+    (directory / WEIGHTS_FILE).chmod(0o644)
     manifest = {
         "format": ARTIFACT_FORMAT,
         "target": target_spec,

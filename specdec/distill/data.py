@@ -115,6 +115,8 @@ def text_windows(tokenizer, seq_len: int, count: int, seed: int = 0):
 
     At most a few windows per file, so the mix covers many modules.
     """
+    if count <= 0:
+        return
     produced = 0
     for path in stdlib_files(seed):
         if produced >= count:

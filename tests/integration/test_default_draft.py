@@ -1,0 +1,72 @@
+"""The shipped default draft: loads, shares the target's tokenizer, and still agrees with the target.
+
+A regression guard, not the issue's alpha target: the floor sits well below the measured value
+(see drafts/*/MODEL_CARD.md) and well above what the untrained initialisation reaches (~0.07).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAFT = ROOT / "drafts" / "smollm2-135m-instruct-2l"
+TARGET = "smollm2-135m-instruct"
+PROMPTS = ["Explain in two sentences why the sky is blue.", "Write a short poem about the sea."]
+ALPHA_FLOOR = 0.15  # temperature 1, target samples of 48 tokens for PROMPTS, seeds 0 and 1
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from specdec.draft_artifact import load_draft_artifact
+    from specdec.models import ModelSourceError, load_causal_lm
+
+    try:
+        target, _ = load_causal_lm(TARGET)
+    except ModelSourceError as exc:
+        pytest.skip(str(exc))
+    return load_draft_artifact(DRAFT, target_model=target), target
+
+
+def test_artifact_is_small_and_names_the_default_target():
+    from specdec.draft_artifact import artifact_target, read_manifest
+    from specdec.models import DRAFT_ARTIFACT_MARKER
+
+    manifest = read_manifest(DRAFT)
+    assert artifact_target(DRAFT) == TARGET
+    assert json.loads((DRAFT / DRAFT_ARTIFACT_MARKER).read_text())["num_layers"] == manifest["num_layers"]
+    assert sum(p.stat().st_size for p in DRAFT.iterdir()) < 20 * 1024 * 1024
+    assert (DRAFT / "MODEL_CARD.md").is_file()
+
+
+def test_draft_loads_through_the_model_loader_and_shares_the_tokenizer():
+    from specdec.models import load_causal_lm, load_tokenizer, tokenizer_fingerprint
+
+    draft_tok, target_tok = load_tokenizer(str(DRAFT)), load_tokenizer(TARGET)
+    assert tokenizer_fingerprint(draft_tok) == tokenizer_fingerprint(target_tok)
+    model, _ = load_causal_lm(str(DRAFT))
+    assert model.config.num_hidden_layers < 30
+    assert model.get_output_embeddings().weight.shape[0] >= len(target_tok)
+
+
+def test_alpha_above_floor(pair):
+    from specdec.distill.data import chat_token_ids
+    from specdec.distill.evaluate import agreement, sample_continuation
+    from specdec.models import eos_token_ids, load_tokenizer
+
+    draft, target = pair
+    tokenizer = load_tokenizer(TARGET)
+    eos = eos_token_ids(target, tokenizer)
+    alphas = []
+    for seed, prompt in enumerate(PROMPTS):
+        prompt_ids = chat_token_ids(tokenizer, prompt)
+        ids = sample_continuation(target, prompt_ids, 48, 1.0, eos, seed)
+        a, _ = agreement(draft, target, ids, len(prompt_ids) - 1, 1.0)
+        alphas += a
+    alpha = sum(alphas) / len(alphas)
+    print(f"default draft alpha on the fixed prompts: {alpha:.3f}")
+    assert alpha > ALPHA_FLOOR, f"alpha {alpha:.3f} fell below the regression floor {ALPHA_FLOOR}"

@@ -1,0 +1,136 @@
+"""`specdec distill` on a tiny random target: labels, training, artifact, draft service, resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("distill") / "target", seed=3, logit_scale=6.0, num_layers=4)
+
+
+def _config(target, tmp_path, **overrides):
+    from specdec.distill.train import DistillConfig
+
+    base = dict(
+        target=str(target),
+        out=str(tmp_path / "draft"),
+        work_dir=str(tmp_path / "work"),
+        num_layers=2,
+        chat_sequences=24,
+        text_sequences=0,
+        heldout_sequences=8,
+        max_new_tokens=20,
+        shard_size=8,
+        steps=30,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=3,
+        eval_every=10,
+        checkpoint_every=10,
+        progress=False,
+        seed=0,
+    )
+    base.update(overrides)
+    return DistillConfig(**base)
+
+
+def test_leviathan_bound():
+    from specdec.distill.evaluate import expected_speedup, expected_tokens
+
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(1.0, 3) == pytest.approx(4.0)
+    assert expected_speedup(0.6, 0.2, 2) == pytest.approx((1 - 0.6**3) / 0.4 / 1.4)
+
+
+def test_topk_kl_is_exact_kl_when_topk_covers_the_vocab():
+    from specdec.distill.train import topk_kl
+
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(5, 8), -1)
+    logits = torch.randn(5, 8)
+    probs, ids = torch.sort(p, -1, descending=True)
+    exact = (p * (p.log() - torch.log_softmax(logits, -1))).sum(-1)
+    torch.testing.assert_close(topk_kl(logits, ids, probs), exact, rtol=1e-4, atol=1e-5)
+    # Truncated top-k: still finite, non-negative (KL of the coarse-grained laws).
+    partial = topk_kl(logits, ids[:, :3], probs[:, :3])
+    assert torch.all(partial >= -1e-6) and torch.all(partial <= exact + 1e-5)
+
+
+def test_distill_trains_writes_a_loadable_artifact_and_resumes(tiny_target, tmp_path):
+    from draft_service.proposer import DraftRequest, propose
+    from draft_service.settings import DraftSettings
+    from specdec.distill.train import distill
+    from specdec.models import DRAFT_ARTIFACT_MARKER, load_tokenizer, tokenizer_fingerprint
+    from specdec.sampling import Sampling
+    from specdec.serving import load_model
+    from specdec.settings import load_settings
+
+    logs: list[str] = []
+    first = distill(_config(tiny_target, tmp_path), log=logs.append)
+    assert first["steps"] == 30
+    evals = [h for h in first["history"] if "alpha" in h]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+    # Training reduces the held-out KL and the training loss, and raises alpha.
+    assert evals[-1]["kl"] < 0.8 * evals[0]["kl"]
+    assert first["best_heldout_alpha_topk"] > evals[0]["alpha"]
+    losses = [h["loss"] for h in first["history"] if "loss" in h]
+    assert losses[-1] < losses[0]
+
+    artifact = tmp_path / "draft"
+    manifest = json.loads((artifact / DRAFT_ARTIFACT_MARKER).read_text())
+    assert manifest["target"] == str(tiny_target) and manifest["num_layers"] == 2
+    assert (artifact / "draft_layers.safetensors").stat().st_size < 200_000
+
+    # The draft service loads the artifact like any model and proposes with it.
+    loaded = load_model(load_settings(DraftSettings, [], {}, model=str(artifact)), "draft")
+    assert loaded.info.tokenizer_fingerprint == tokenizer_fingerprint(load_tokenizer(str(tiny_target)))
+    assert loaded.runner.model.config.num_hidden_layers == 2
+    (proposal,) = propose(loaded.runner, [DraftRequest("s", [1, 2, 3], 3, 7)], Sampling(temperature=1.0))
+    assert len(proposal.draft_token_ids) == 3
+    assert np.allclose(np.asarray(proposal.draft_probs).sum(-1), 1.0, atol=1e-4)
+
+    # Resume: continues from the step-30 checkpoint instead of starting over.
+    labels_before = sorted(p.name for p in (tmp_path / "work" / "labels").glob("*.pt"))
+    second = distill(_config(tiny_target, tmp_path, steps=40, resume=True), log=logs.append)
+    assert any("resuming" in line and "step 30" in line for line in logs)
+    assert second["steps"] == 40
+    assert second["train_tokens"] > first["train_tokens"]
+    assert [h for h in second["history"] if h.get("step") == 30] == [h for h in first["history"] if h.get("step") == 30]
+    assert sorted(p.name for p in (tmp_path / "work" / "labels").glob("*.pt")) == labels_before
+
+
+def test_eval_draft_on_the_tiny_pair(tiny_target, tmp_path):
+    from specdec.distill.evaluate import eval_draft
+    from specdec.draft_artifact import build_draft, save_draft_artifact
+    from specdec.models import load_causal_lm
+
+    target, _ = load_causal_lm(str(tiny_target))
+    draft = build_draft(target, 4, [0, 1, 2, 3])  # all target layers: the draft is the target
+    save_draft_artifact(tmp_path / "same", draft, str(tiny_target), [0, 1, 2, 3])
+    report = eval_draft(str(tmp_path / "same"), str(tiny_target), prompts=2, max_new_tokens=8, timing_steps=3,
+                        log=lambda _: None)
+    assert report["alpha"] == pytest.approx(1.0, abs=1e-3)
+    assert report["greedy_agreement"] == pytest.approx(1.0)
+    assert len(report["bound"]) == 8 and report["c"] > 0
+
+
+def test_cli_registers_subcommands_with_the_default_target():
+    from specdec.cli import build_parser
+    from specdec.distill.cli import DEFAULT_MODEL
+    from specdec.models import DEFAULT_MODEL as MODELS_DEFAULT
+
+    assert DEFAULT_MODEL == MODELS_DEFAULT
+    args = build_parser().parse_args(["distill", "--init-layers", "0,29", "--steps", "5"])
+    assert args.target == MODELS_DEFAULT and args.init_layers == [0, 29] and args.steps == 5
+    assert callable(args.func)
+    args = build_parser().parse_args(["eval-draft", "--draft", "drafts/x"])
+    assert args.draft == "drafts/x" and callable(args.func)
