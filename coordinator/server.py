@@ -222,9 +222,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         history: list[int] = []
         session_id = request.session_id
         if session_id:
-            self.store.get(session_id)  # NOT_FOUND before taking any lease
             lease = stack.enter_context(self.store.lease(session_id))
-            history = self.store.get(session_id).token_ids  # re-read under the lease
+            # Read under the lease: NOT_FOUND releases it, and no other call can change it now.
+            history = self.store.get(session_id).token_ids
         elif num_samples == 1:
             session_id = self.store.new_session_id()
             lease = stack.enter_context(self.store.lease(session_id))

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, Unavailable
 from specdec.metrics import MetricsInterceptor, Registry, serve_metrics
 from specdec.settings import setting
 from specdec.v1 import common_pb2
@@ -227,8 +227,6 @@ class ModelServicerBase:
     @property
     def loaded(self) -> LoadedModel:
         if self._loaded is None:
-            from specdec.errors import Unavailable
-
             raise Unavailable(f"{self.role} model is still loading")
         return self._loaded
 
