@@ -76,7 +76,9 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        # out_features, not weight rows: a vocabulary-subset head has fewer rows than it has outputs.
+        self.vocab_size = int(getattr(head, "out_features", head.weight.shape[0]))
         self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self._lock = threading.Lock()
 

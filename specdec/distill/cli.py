@@ -41,6 +41,8 @@ def _distill(args: argparse.Namespace) -> int:
         resume=args.resume,
         progress=not args.no_progress,
         weights_dtype=args.weights_dtype,
+        head_tokens=args.head_tokens,
+        init_from=args.init_from,
     )
     summary = distill(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "config")}, indent=2))
@@ -105,6 +107,10 @@ def add_subcommands(sub) -> None:
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in the work dir")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.add_argument("--weights-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    d.add_argument("--head-tokens", type=int, default=0, help="keep only this many tokens (most target mass in "
+                   "the labels, plus EOS/special) in the draft's head: a cheaper draft step; 0 = full vocabulary")
+    d.add_argument("--init-from", help="start from this draft artifact's layers (and head subset) "
+                   "instead of target layers")
     d.set_defaults(func=_distill)
 
     e = sub.add_parser(

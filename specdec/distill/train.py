@@ -55,6 +55,8 @@ class DistillConfig:
     resume: bool = False
     progress: bool = True
     weights_dtype: str = "bfloat16"
+    head_tokens: int = 0  # > 0: the draft's head keeps only this many tokens (most target mass)
+    init_from: str | None = None  # a draft artifact to start from instead of target layers
     extra: dict = field(default_factory=dict)
 
 
@@ -78,13 +80,17 @@ def topk_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tens
     logits: [N, V] draft logits; topk_ids [N, k]; topk_probs [N, k] (the target's top-k law).
     Exact KL of the coarse-grained laws (a lower bound of the full KL that equals it as the
     leftover mass -> 0); the leftover bucket keeps q from piling mass outside p's support.
+    Tokens the draft cannot emit (logit -inf: outside a vocabulary-subset head) join the
+    leftover bucket, so the loss stays finite.
     """
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     logq = logits.gather(-1, topk_ids) - lse
-    p = topk_probs.float()
+    emittable = torch.isfinite(logq)
+    p = torch.where(emittable, topk_probs.float(), 0.0)
+    logq = torch.where(emittable, logq, 0.0)
     p_rest = (1.0 - p.sum(-1)).clamp(min=0.0)
-    q_rest = (1.0 - logq.exp().sum(-1)).clamp(min=1e-6)
+    q_rest = (1.0 - torch.where(emittable, logq.exp(), 0.0).sum(-1)).clamp(min=1e-6)
     kl = (p * (p.clamp_min(1e-8).log() - logq)).sum(-1)
     kl = kl + p_rest * (p_rest.clamp_min(1e-8).log() - q_rest.log())
     return kl
@@ -160,9 +166,42 @@ def collate(shards, rows):
 
 
 def draft_logits_at(draft, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Draft logits at the valid positions only ([N, V]): the head runs on no padding."""
-    hidden = draft.model(input_ids=tokens, use_cache=False).last_hidden_state
-    return draft.get_output_embeddings()(hidden[valid])
+    """Draft logits at the valid positions only: the head runs on no padding.
+
+    [N, V] for a full head; [N, S + 1] for a vocabulary-subset head (its S columns, then a
+    -inf column that `label_columns` maps every other token to).
+    """
+    from specdec.draft_artifact import VocabSubsetHead
+
+    hidden = draft.model(input_ids=tokens, use_cache=False).last_hidden_state[valid]
+    head = draft.get_output_embeddings()
+    if isinstance(head, VocabSubsetHead):
+        sub = head.subset_logits(hidden)
+        return torch.cat([sub, sub.new_full((sub.shape[0], 1), float("-inf"))], dim=-1)
+    return head(hidden)
+
+
+def label_columns(draft, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids -> columns of `draft_logits_at`'s output (identity for a full head)."""
+    from specdec.draft_artifact import VocabSubsetHead
+
+    head = draft.get_output_embeddings()
+    return head.column_of[topk_ids] if isinstance(head, VocabSubsetHead) else topk_ids
+
+
+def choose_head_tokens(shards, size: int, always: list[int], vocab_size: int) -> torch.Tensor:
+    """The `size` tokens carrying the most target probability over the cached labels, plus
+    `always` (EOS and special tokens: a draft that can never end a sequence wastes rounds)."""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    for shard in shards:
+        for row in range(shard.tokens.shape[0]):
+            lo, hi = shard.first_label(row), int(shard.lengths[row]) - 1
+            if hi > lo:
+                mass.index_add_(0, shard.topk_ids[row, lo:hi].long().flatten(), shard.topk_probs[row, lo:hi].double().flatten())
+    forced = sorted({int(t) for t in always if 0 <= int(t) < vocab_size})
+    mass[forced] = float("inf")
+    size = min(vocab_size, max(size, len(forced)))
+    return torch.sort(torch.topk(mass, size).indices).values
 
 
 @torch.no_grad()
@@ -177,7 +216,7 @@ def evaluate(draft, shards, device, batch_size: int = 8, autocast=None) -> dict[
         tokens, valid = tokens.to(device), valid.to(device)
         with autocast():
             logits = draft_logits_at(draft, tokens, valid)
-        m = topk_metrics(logits, ids.to(device)[valid], probs.to(device)[valid])
+        m = topk_metrics(logits, label_columns(draft, ids.to(device)[valid]), probs.to(device)[valid])
         totals["alpha"] += m["alpha"] * m["positions"]
         totals["greedy"] += m["greedy"] * m["positions"]
         totals["kl"] += m["kl"] * m["positions"]
@@ -227,7 +266,15 @@ def distill(cfg: DistillConfig, log=print) -> dict:
 
     from specdec.distill import data
     from specdec.distill.labels import build_cache, load_shards
-    from specdec.draft_artifact import build_draft, freeze_shared, save_draft_artifact, trained_state
+    from specdec.draft_artifact import (
+        apply_head_subset,
+        build_draft,
+        freeze_shared,
+        head_token_ids,
+        load_draft_weights,
+        save_draft_artifact,
+        trained_state,
+    )
     from specdec.models import (
         eos_token_ids,
         load_causal_lm,
@@ -326,6 +373,13 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         state = torch.load(ckpt_path, weights_only=False)
         init_layers = state["init_layers"]
         log(f"resuming from {ckpt_path} at step {state['step']}")
+    elif cfg.init_from:
+        from specdec.draft_artifact import read_manifest
+
+        manifest = read_manifest(cfg.init_from)
+        if int(manifest["num_layers"]) != cfg.num_layers:
+            raise SystemExit(f"--init-from {cfg.init_from} has {manifest['num_layers']} layers, not {cfg.num_layers}")
+        init_layers = [int(i) for i in manifest.get("init_layers") or range(cfg.num_layers)]
     elif cfg.init_layers:
         init_layers = list(cfg.init_layers)
     else:
@@ -338,7 +392,19 @@ def distill(cfg: DistillConfig, log=print) -> dict:
                 best = (m["alpha"], cand)
             del trial
         init_layers = best[1]
-    draft = build_draft(target, cfg.num_layers, init_layers).to(device)
+    draft = build_draft(target, cfg.num_layers, init_layers)
+    if state is None and cfg.init_from:
+        load_draft_weights(draft, cfg.init_from)  # also takes the artifact's head subset, if any
+        log(f"starting from the layers of {cfg.init_from}")
+    head_ids = state.get("head_token_ids") if state is not None else None
+    if head_ids is None and state is None and cfg.head_tokens > 0 and head_token_ids(draft) is None:
+        special = list(getattr(tokenizer, "all_special_ids", []) or [])
+        head_ids = choose_head_tokens(train_shards, cfg.head_tokens, eos + special, int(target.config.vocab_size))
+    if head_ids is not None and head_token_ids(draft) is None:
+        apply_head_subset(draft, head_ids)
+    if head_token_ids(draft) is not None:
+        log(f"vocabulary-subset head: {head_token_ids(draft).numel()} tokens")
+    draft = draft.to(device)
     freeze_shared(draft)
     target_spec = cfg.target
     del target
@@ -368,6 +434,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
             "heldout_kl": round(metrics.get("kl", float("nan")), 4),
             "heldout_positions": metrics["positions"],
             "init_layers": init_layers,
+            "init_from": cfg.init_from,
+            "head_tokens": None if head_token_ids(draft) is None else int(head_token_ids(draft).numel()),
             "device": str(device),
             "threads": torch.get_num_threads(),
             "config": {k: v for k, v in asdict(cfg).items() if k not in ("extra", "progress")},
@@ -387,6 +455,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
                 "best_alpha": best_alpha,
                 "history": history,
                 "torch_rng": torch.get_rng_state(),
+                "head_token_ids": None if head_token_ids(draft) is None else head_token_ids(draft).cpu(),
             },
             tmp,
         )
@@ -427,7 +496,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         tokens, valid = tokens.to(device), valid.to(device)
         with autocast():
             logits = draft_logits_at(draft, tokens, valid)
-        loss = topk_kl(logits, ids.to(device)[valid], probs.to(device)[valid]).mean()
+        loss = topk_kl(logits, label_columns(draft, ids.to(device)[valid]), probs.to(device)[valid]).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:

@@ -134,3 +134,62 @@ def test_cli_registers_subcommands_with_the_default_target():
     assert callable(args.func)
     args = build_parser().parse_args(["eval-draft", "--draft", "drafts/x"])
     assert args.draft == "drafts/x" and callable(args.func)
+
+
+def test_topk_kl_puts_tokens_the_draft_cannot_emit_in_the_leftover_bucket():
+    from specdec.distill.train import topk_kl
+
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    ids = torch.tensor([[0, 1, 2]])
+    logits = torch.tensor([[0.0, 1.0, float("-inf")]])  # token 2 is outside a subset head
+    logits.requires_grad_(True)
+    kl = topk_kl(logits, ids, p)
+    q = torch.softmax(logits.detach(), -1)
+    # Coarse-grained: {0}, {1}, {rest}; p_rest = 0.2 and q_rest clamps to its floor (1e-6).
+    expected = 0.5 * np.log(0.5 / q[0, 0]) + 0.3 * np.log(0.3 / q[0, 1]) + 0.2 * np.log(0.2 / 1e-6)
+    assert float(kl.detach()) == pytest.approx(float(expected), rel=1e-4)
+    kl.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_distill_with_a_vocabulary_subset_head(tiny_target, tmp_path):
+    from safetensors.torch import load_file
+
+    from draft_service.proposer import DraftRequest, propose
+    from draft_service.settings import DraftSettings
+    from specdec.distill.train import distill
+    from specdec.draft_artifact import HEAD_TOKEN_IDS, head_token_ids
+    from specdec.models import DRAFT_ARTIFACT_MARKER
+    from specdec.sampling import Sampling
+    from specdec.serving import load_model
+    from specdec.settings import load_settings
+
+    logs: list[str] = []
+    first = distill(_config(tiny_target, tmp_path, head_tokens=5, steps=20), log=logs.append)
+    assert first["head_tokens"] == 5
+    evals = [h for h in first["history"] if "alpha" in h]
+    assert evals[-1]["kl"] < evals[0]["kl"]
+    artifact = tmp_path / "draft"
+    manifest = json.loads((artifact / DRAFT_ARTIFACT_MARKER).read_text())
+    assert manifest["head_tokens"] == 5
+    subset = load_file(str(artifact / "draft_layers.safetensors"))[HEAD_TOKEN_IDS].tolist()
+    assert len(subset) == 5 and 0 in subset  # EOS is always kept
+
+    loaded = load_model(load_settings(DraftSettings, [], {}, model=str(artifact)), "draft")
+    assert head_token_ids(loaded.runner.model).tolist() == subset
+    assert loaded.runner.vocab_size == 8  # q still spans the whole vocabulary
+    (proposal,) = propose(loaded.runner, [DraftRequest("s", [1, 2, 3], 3, 7)], Sampling(temperature=1.0))
+    assert set(proposal.draft_token_ids) <= set(subset)
+    outside = [t for t in range(8) if t not in subset]
+    assert np.all(np.asarray(proposal.draft_probs)[:, outside] == 0.0)
+
+    # Resume keeps the checkpoint's subset; --init-from starts a new run from the artifact.
+    second = distill(_config(tiny_target, tmp_path, head_tokens=5, steps=25, resume=True), log=logs.append)
+    assert second["steps"] == 25 and second["head_tokens"] == 5
+    third = distill(
+        _config(tiny_target, tmp_path, out=str(tmp_path / "again"), work_dir=str(tmp_path / "work2"), steps=5,
+                init_from=str(artifact)),
+        log=logs.append,
+    )
+    assert third["head_tokens"] == 5 and third["init_from"] == str(artifact)
+    assert any("starting from the layers of" in line for line in logs)
