@@ -35,7 +35,7 @@ def bench(address: str, ks: list[int], prompts: list[str], max_new_tokens: int, 
           repeats: int) -> dict:
     from specdec.client import SpecdecClient
 
-    totals = {k: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0} for k in ks}
+    totals = {k: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "draft_s": 0.0, "verify_s": 0.0} for k in ks}
     with SpecdecClient(address, timeout_s=900) as client:
         client.wait_ready(60)
         client.generate(prompts[0], chat=True, max_new_tokens=8, temperature=temperature, seed=seed,
@@ -56,6 +56,8 @@ def bench(address: str, ks: list[int], prompts: list[str], max_new_tokens: int, 
                     row["drafted"] += stats.drafted_tokens
                     row["accepted"] += stats.accepted_tokens
                     row["rounds"] += stats.rounds
+                    row["draft_s"] += stats.draft_time_s
+                    row["verify_s"] += stats.verify_time_s
                     print(f"  rep {rep} prompt {i} K={k}: {stats.generated_tokens / elapsed:6.2f} tok/s "
                           f"(acceptance {stats.acceptance_rate:.3f})", flush=True)
     base = totals[ks[0]]["tokens"] / totals[ks[0]]["seconds"] if 0 in ks else None
@@ -71,18 +73,27 @@ def bench(address: str, ks: list[int], prompts: list[str], max_new_tokens: int, 
             "tokens_per_round": t["tokens"] / t["rounds"] if t["rounds"] else None,
             "tokens": t["tokens"],
             "seconds": t["seconds"],
+            # Per round, as the coordinator saw it: Propose and Verify calls (model time + gRPC),
+            # and everything else (accept/reject, Redis, tokenizer, client round trip).
+            "draft_ms_per_round": 1e3 * t["draft_s"] / t["rounds"] if t["rounds"] else None,
+            "verify_ms_per_round": 1e3 * t["verify_s"] / t["rounds"] if t["rounds"] else None,
+            "rounds_ms_known": bool(t["rounds"]),
+            "other_ms_per_round": 1e3 * (t["seconds"] - t["draft_s"] - t["verify_s"]) / t["rounds"]
+            if t["rounds"] else None,
         })
     return {"address": address, "temperature": temperature, "max_new_tokens": max_new_tokens,
             "prompts": prompts, "repeats": repeats, "rows": rows}
 
 
 def format_table(result: dict) -> str:
-    lines = ["  K   tokens/s   vs K=0   acceptance   tokens/round"]
+    lines = ["  K   tokens/s   vs K=0   acceptance   tokens/round   ms/round: draft  verify  other"]
     for r in result["rows"]:
         speed = f"{r['speedup_vs_k0']:.2f}x" if r["speedup_vs_k0"] else "-"
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
-        lines.append(f"  {r['k']:<3} {r['tokens_per_s']:>8.2f}   {speed:>6}   {acc:>10}   {tpr:>12}")
+        split = (f"{r['draft_ms_per_round']:>16.1f} {r['verify_ms_per_round']:>7.1f} {r['other_ms_per_round']:>6.1f}"
+                 if r["rounds_ms_known"] else "")
+        lines.append(f"  {r['k']:<3} {r['tokens_per_s']:>8.2f}   {speed:>6}   {acc:>10}   {tpr:>12}{split}")
     return "\n".join(lines)
 
 
