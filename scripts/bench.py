@@ -23,12 +23,24 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 DEFAULT_DRAFT = ROOT / "drafts" / "smollm2-135m-instruct-2l"
-PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about the sea.",
-    "Give me three tips for learning a new language.",
-    "What is the difference between a list and a tuple in Python?",
-]
+# "long" (the default): questions whose answers run past the default 64 tokens, so the timed
+# tokens are the answer itself. "short": answers that end early; with ignore_eos the rest of
+# the 64 tokens is text after the end-of-turn token, which no user is served and no draft is
+# trained for (acceptance there is much lower).
+PROMPT_SETS = {
+    "long": [
+        "Explain how a refrigerator keeps food cold, step by step.",
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Give me five tips for learning a new language, with a sentence on each.",
+        "What is the difference between a list and a tuple in Python? Explain with examples.",
+    ],
+    "short": [
+        "Explain in two sentences why the sky is blue.",
+        "Write a short poem about the sea.",
+        "Give me three tips for learning a new language.",
+        "What is the difference between a list and a tuple in Python?",
+    ],
+}
 
 
 def bench(address: str, ks: list[int], prompts: list[str], max_new_tokens: int, temperature: float, seed: int,
@@ -107,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    parser.add_argument("--prompt-set", default="long", choices=sorted(PROMPT_SETS))
+    parser.add_argument("--prompts", type=int, default=4, help="how many prompts of the set")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    prompts = PROMPTS[: args.prompts]
+    prompts = PROMPT_SETS[args.prompt_set][: args.prompts]
 
     address = args.address
     started = address is None

@@ -31,12 +31,17 @@ class _CacheEntry:
 
 
 class SessionKVCache:
-    """LRU of per-session KV caches, bounded by entry count and total cached tokens."""
+    """LRU of per-session KV caches, bounded by entry count and total cached tokens.
+
+    Mutated under the runner's lock; the metrics thread reads only counters (a running
+    token total, so a scrape never iterates a dict another thread is changing).
+    """
 
     def __init__(self, max_entries: int, max_tokens: int):
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self._entries: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._tokens = 0
         self.hits = 0
         self.misses = 0
 
@@ -45,22 +50,27 @@ class SessionKVCache:
 
     @property
     def total_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self._entries.values())
+        return self._tokens
 
     def take(self, session_id: str) -> _CacheEntry | None:
         """Remove and return the entry (the caller owns it until `put`)."""
-        return self._entries.pop(session_id, None)
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._tokens -= len(entry.token_ids)
+        return entry
 
     def put(self, session_id: str, entry: _CacheEntry) -> None:
         if self.max_entries <= 0 or len(entry.token_ids) > self.max_tokens:
             return
+        self.take(session_id)
         self._entries[session_id] = entry
-        self._entries.move_to_end(session_id)
-        while len(self._entries) > self.max_entries or self.total_tokens > self.max_tokens:
-            self._entries.popitem(last=False)
+        self._tokens += len(entry.token_ids)
+        while len(self._entries) > self.max_entries or self._tokens > self.max_tokens:
+            _, evicted = self._entries.popitem(last=False)
+            self._tokens -= len(evicted.token_ids)
 
     def drop(self, session_id: str) -> None:
-        self._entries.pop(session_id, None)
+        self.take(session_id)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ SUBSET = [0, 1, 2, 5, 6]  # EOS (0) and four of the seven other tokens
 
 @pytest.fixture(scope="module")
 def subset_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
-    from draft_service.settings import DraftSettings
     from service_stack import start_stack, stop_stack
+
+    from draft_service.settings import DraftSettings
     from specdec.draft_artifact import apply_head_subset, build_draft, save_draft_artifact
     from specdec.models import load_causal_lm
     from specdec.serving import load_model
