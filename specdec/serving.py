@@ -76,7 +76,12 @@ def build_grpc_server(
     registry = registry or Registry()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=grpc_message_options(max_message_mb) + connection_age_options(max_connection_age_s),
+        # No SO_REUSEPORT: a second server on a taken port must fail to bind, not silently
+        # share it (the kernel would split connections between the two, including one that
+        # is shutting down: "connection refused" for a fraction of clients).
+        options=[("grpc.so_reuseport", 0)]
+        + grpc_message_options(max_message_mb)
+        + connection_age_options(max_connection_age_s),
         interceptors=[MetricsInterceptor(registry, metrics_label, max_concurrent_requests)],
     )
     register(server)

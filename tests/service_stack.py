@@ -66,5 +66,6 @@ def start_stack(loaded, tokenizer_dir: str, redis_url: str, draft_loaded=None, *
 
 
 def stop_stack(stack: Stack) -> None:
-    for server in stack.servers:
-        server.server.stop(0)
+    # Wait until each has stopped: its ports are then free for the next stack.
+    for event in [server.server.stop(0) for server in stack.servers]:
+        event.wait(10)

@@ -48,9 +48,16 @@ def test_draft_loads_through_the_model_loader_and_shares_the_tokenizer():
 
     draft_tok, target_tok = load_tokenizer(str(DRAFT)), load_tokenizer(TARGET)
     assert tokenizer_fingerprint(draft_tok) == tokenizer_fingerprint(target_tok)
+    from specdec.draft_artifact import head_token_ids
+    from specdec.models import eos_token_ids
+
     model, _ = load_causal_lm(str(DRAFT))
     assert model.config.num_hidden_layers < 30
-    assert model.get_output_embeddings().weight.shape[0] >= len(target_tok)
+    # The laws it returns span the target's whole vocabulary, even with a vocabulary-subset head.
+    assert model.get_output_embeddings().out_features >= len(target_tok)
+    subset = head_token_ids(model)
+    if subset is not None:  # a draft that can never end a turn would waste rounds at every EOS
+        assert set(eos_token_ids(model, target_tok)) <= set(subset.tolist())
 
 
 def test_alpha_above_floor(pair):
