@@ -146,7 +146,8 @@ def test_topk_kl_puts_tokens_the_draft_cannot_emit_in_the_leftover_bucket():
     kl = topk_kl(logits, ids, p)
     q = torch.softmax(logits.detach(), -1)
     # Coarse-grained: {0}, {1}, {rest}; p_rest = 0.2 and q_rest clamps to its floor (1e-6).
-    expected = 0.5 * np.log(0.5 / q[0, 0]) + 0.3 * np.log(0.3 / q[0, 1]) + 0.2 * np.log(0.2 / 1e-6)
+    q0, q1 = float(q[0, 0]), float(q[0, 1])
+    expected = 0.5 * np.log(0.5 / q0) + 0.3 * np.log(0.3 / q1) + 0.2 * np.log(0.2 / 1e-6)
     assert float(kl.detach()) == pytest.approx(float(expected), rel=1e-4)
     kl.sum().backward()
     assert torch.isfinite(logits.grad).all()
