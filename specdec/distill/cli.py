@@ -107,8 +107,9 @@ def add_subcommands(sub) -> None:
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in the work dir")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.add_argument("--weights-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    d.add_argument("--head-tokens", type=int, default=0, help="keep only this many tokens (most target mass in "
-                   "the labels, plus EOS/special) in the draft's head: a cheaper draft step; 0 = full vocabulary")
+    d.add_argument("--head-tokens", type=int, default=8192, help="keep only this many tokens (most target mass "
+                   "in the labels, plus EOS/special) in the draft's head: a cheaper draft step; 0 (or >= the "
+                   "vocabulary) = the full head")
     d.add_argument("--init-from", help="start from this draft artifact's layers (and head subset) "
                    "instead of target layers")
     d.set_defaults(func=_distill)

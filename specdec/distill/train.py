@@ -55,7 +55,7 @@ class DistillConfig:
     resume: bool = False
     progress: bool = True
     weights_dtype: str = "bfloat16"
-    head_tokens: int = 0  # > 0: the draft's head keeps only this many tokens (most target mass)
+    head_tokens: int = 8192  # 0 < N < vocab: the draft head keeps only N tokens (most target mass)
     init_from: str | None = None  # a draft artifact to start from instead of target layers
     extra: dict = field(default_factory=dict)
 
@@ -397,9 +397,10 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         load_draft_weights(draft, cfg.init_from)  # also takes the artifact's head subset, if any
         log(f"starting from the layers of {cfg.init_from}")
     head_ids = state.get("head_token_ids") if state is not None else None
-    if head_ids is None and state is None and cfg.head_tokens > 0 and head_token_ids(draft) is None:
+    vocab_size = int(target.config.vocab_size)
+    if head_ids is None and state is None and 0 < cfg.head_tokens < vocab_size and head_token_ids(draft) is None:
         special = list(getattr(tokenizer, "all_special_ids", []) or [])
-        head_ids = choose_head_tokens(train_shards, cfg.head_tokens, eos + special, int(target.config.vocab_size))
+        head_ids = choose_head_tokens(train_shards, cfg.head_tokens, eos + special, vocab_size)
     if head_ids is not None and head_token_ids(draft) is None:
         apply_head_subset(draft, head_ids)
     if head_token_ids(draft) is not None:

@@ -131,6 +131,7 @@ def test_cli_registers_subcommands_with_the_default_target():
     assert DEFAULT_MODEL == MODELS_DEFAULT
     args = build_parser().parse_args(["distill", "--init-layers", "0,29", "--steps", "5"])
     assert args.target == MODELS_DEFAULT and args.init_layers == [0, 29] and args.steps == 5
+    assert args.head_tokens == 8192  # the shipped draft's recipe
     assert callable(args.func)
     args = build_parser().parse_args(["eval-draft", "--draft", "drafts/x"])
     assert args.draft == "drafts/x" and callable(args.func)
