@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-DEFAULT_DRAFT = ROOT / "drafts" / "smollm2-135m-instruct-2l"
+import stack  # noqa: E402 - scripts/stack.py: up() / down() and the pair `make run` serves
+
 # "long" (the default): questions whose answers run past the default 64 tokens, so the timed
 # tokens are the answer itself. "short": answers that end early; with ignore_eos the rest of
 # the 64 tokens is text after the end-of-turn token, which no user is served and no draft is
@@ -89,7 +90,6 @@ def bench(address: str, ks: list[int], prompts: list[str], max_new_tokens: int, 
             # and everything else (accept/reject, Redis, tokenizer, client round trip).
             "draft_ms_per_round": 1e3 * t["draft_s"] / t["rounds"] if t["rounds"] else None,
             "verify_ms_per_round": 1e3 * t["verify_s"] / t["rounds"] if t["rounds"] else None,
-            "rounds_ms_known": bool(t["rounds"]),
             "other_ms_per_round": 1e3 * (t["seconds"] - t["draft_s"] - t["verify_s"]) / t["rounds"]
             if t["rounds"] else None,
         })
@@ -104,7 +104,7 @@ def format_table(result: dict) -> str:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
         split = (f"{r['draft_ms_per_round']:>16.1f} {r['verify_ms_per_round']:>7.1f} {r['other_ms_per_round']:>6.1f}"
-                 if r["rounds_ms_known"] else "")
+                 if r["draft_ms_per_round"] is not None else "")
         lines.append(f"  {r['k']:<3} {r['tokens_per_s']:>8.2f}   {speed:>6}   {acc:>10}   {tpr:>12}{split}")
     return "\n".join(lines)
 
@@ -112,8 +112,8 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", help="bench this coordinator instead of starting the stack")
-    parser.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", "smollm2-135m-instruct"))
-    parser.add_argument("--draft", default=os.environ.get("SPECDEC_DRAFT_MODEL", str(DEFAULT_DRAFT)))
+    parser.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
+    parser.add_argument("--draft", default=os.environ.get("SPECDEC_DRAFT_MODEL", str(stack.DEFAULT_DRAFT)))
     parser.add_argument("--ks", default="0,1,2,3,4", help="comma-separated K values (0 = target only)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -129,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     address = args.address
     started = address is None
     if started:
-        import stack  # scripts/stack.py: up() / down()
-
         os.environ["SPECDEC_TARGET_MODEL"] = args.target
         os.environ["SPECDEC_DRAFT_MODEL"] = args.draft
         print(f"starting the stack: target {args.target}, draft {args.draft}")

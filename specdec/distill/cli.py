@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -14,36 +15,9 @@ def _int_list(text: str) -> list[int]:
 def _distill(args: argparse.Namespace) -> int:
     from specdec.distill.train import DistillConfig, distill
 
-    cfg = DistillConfig(
-        target=args.target,
-        out=args.out,
-        work_dir=args.work_dir,
-        num_layers=args.layers,
-        init_layers=args.init_layers,
-        chat_sequences=args.chat_sequences,
-        text_sequences=args.text_sequences,
-        heldout_sequences=args.heldout_sequences,
-        max_new_tokens=args.max_new_tokens,
-        text_len=args.text_len,
-        top_k=args.top_k,
-        shard_size=args.shard_size,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        label_seconds=args.label_seconds,
-        max_seconds=args.max_seconds,
-        seed=args.seed,
-        threads=args.threads,
-        device=args.device,
-        resume=args.resume,
-        progress=not args.no_progress,
-        weights_dtype=args.weights_dtype,
-        head_tokens=args.head_tokens,
-        init_from=args.init_from,
-    )
+    # Every flag's dest is the DistillConfig field it sets.
+    names = {f.name for f in dataclasses.fields(DistillConfig)}
+    cfg = DistillConfig(**{name: value for name, value in vars(args).items() if name in names})
     summary = distill(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "config")}, indent=2))
     return 0
@@ -83,7 +57,7 @@ def add_subcommands(sub) -> None:
     d.add_argument("--target", default=DEFAULT_MODEL, help="target model spec (as the model services accept)")
     d.add_argument("--out", help="artifact directory (default drafts/<target>-<N>l)")
     d.add_argument("--work-dir", help="label cache and checkpoint (default .run/distill/<artifact name>)")
-    d.add_argument("--layers", type=int, default=2, help="decoder layers in the draft")
+    d.add_argument("--layers", dest="num_layers", type=int, default=2, help="decoder layers in the draft")
     d.add_argument("--init-layers", type=_int_list, help="target layers to start from, e.g. 0,29 (default: "
                    "the best candidate by held-out alpha at initialisation)")
     d.add_argument("--chat-sequences", type=int, default=1024, help="on-policy target samples to label")
@@ -105,7 +79,7 @@ def add_subcommands(sub) -> None:
     d.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in the work dir")
-    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     d.add_argument("--weights-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     d.add_argument("--head-tokens", type=int, default=8192, help="keep only this many tokens (most target mass "
                    "in the labels, plus EOS/special) in the draft's head: a cheaper draft step; 0 (or >= the "

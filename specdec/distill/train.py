@@ -396,12 +396,13 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     if state is None and cfg.init_from:
         load_draft_weights(draft, cfg.init_from)  # also takes the artifact's head subset, if any
         log(f"starting from the layers of {cfg.init_from}")
+    # A resumed run keeps its checkpoint's head; an --init-from artifact brought its own.
     head_ids = state.get("head_token_ids") if state is not None else None
     vocab_size = int(target.config.vocab_size)
-    if head_ids is None and state is None and 0 < cfg.head_tokens < vocab_size and head_token_ids(draft) is None:
+    if state is None and head_token_ids(draft) is None and 0 < cfg.head_tokens < vocab_size:
         special = list(getattr(tokenizer, "all_special_ids", []) or [])
         head_ids = choose_head_tokens(train_shards, cfg.head_tokens, eos + special, vocab_size)
-    if head_ids is not None and head_token_ids(draft) is None:
+    if head_ids is not None:
         apply_head_subset(draft, head_ids)
     if head_token_ids(draft) is not None:
         log(f"vocabulary-subset head: {head_token_ids(draft).numel()} tokens")

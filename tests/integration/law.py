@@ -77,3 +77,35 @@ def samples_to_detect(tv: float, bins: int, significance: float, power: float) -
 
 def all_sequences(vocab: int, length: int):
     return itertools.product(range(vocab), repeat=length)
+
+
+def sample_counts(stub, prompt: list[int], length: int, k: int, sampling: Sampling, total: int,
+                  max_new_tokens: int, seed: int, vocab: int = 8, chunk: int = 4096):
+    """`total` pipeline samples (num_samples requests of `chunk`) -> counts of their first `length`
+    tokens ([vocab] * length), and the drafted / accepted / recovered totals the stats report."""
+    from specdec.client import build_request
+
+    counts = np.zeros((vocab,) * length)
+    drafted = accepted = recovered = done = call = 0
+    while done < total:
+        n = min(chunk, total - done)
+        request = build_request(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=seed * 1000 + call,
+            num_speculative_tokens=k,
+            ignore_eos=True,
+            num_samples=n,
+        )
+        response = stub.Generate(request, timeout=600)
+        for completion in response.completions:
+            counts[tuple(completion.token_ids[:length])] += 1
+        drafted += response.stats.drafted_tokens
+        accepted += response.stats.accepted_tokens
+        recovered += response.stats.recovered_tokens
+        done += n
+        call += 1
+    return counts, drafted, accepted, recovered

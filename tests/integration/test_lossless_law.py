@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 import pytest
-from law import chi_square_fit, exact_sequence_law, samples_to_detect
+from law import chi_square_fit, exact_sequence_law, sample_counts, samples_to_detect
 
 from specdec.client import build_request
 from specdec.sampling import Sampling
@@ -21,7 +21,6 @@ from specdec.sampling import Sampling
 SIGNIFICANCE = 0.001
 PROMPT = [3, 1, 4]
 LENGTH = 3
-CHUNK = 4096
 
 CASES = [
     # (id, K, sampling, samples, max_new_tokens)
@@ -34,43 +33,14 @@ CASES = [
 ]
 
 
-def _sample(stub, k: int, sampling: Sampling, total: int, max_new_tokens: int, seed: int):
-    counts = np.zeros((8,) * LENGTH)
-    drafted = accepted = recovered = 0
-    done = 0
-    call = 0
-    while done < total:
-        n = min(CHUNK, total - done)
-        request = build_request(
-            PROMPT,
-            max_new_tokens=max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            seed=seed * 1000 + call,
-            num_speculative_tokens=k,
-            ignore_eos=True,
-            num_samples=n,
-        )
-        response = stub.Generate(request, timeout=600)
-        for completion in response.completions:
-            counts[tuple(completion.token_ids[:LENGTH])] += 1
-        drafted += response.stats.drafted_tokens
-        accepted += response.stats.accepted_tokens
-        recovered += response.stats.recovered_tokens
-        done += n
-        call += 1
-    return counts, drafted, accepted, recovered
-
-
 @pytest.mark.parametrize("case_id, k, sampling, total, max_new_tokens", CASES, ids=[c[0] for c in CASES])
 def test_pipeline_samples_follow_target_law(
     coordinator_stub, tiny_loaded, case_id, k, sampling, total, max_new_tokens, record_property
 ):
     law = exact_sequence_law(tiny_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
     assert law.sum() == pytest.approx(1.0, abs=1e-9)
-    counts, drafted, accepted, recovered = _sample(
-        coordinator_stub, k, sampling, total, max_new_tokens, seed=zlib.crc32(case_id.encode()) % 997
+    counts, drafted, accepted, recovered = sample_counts(
+        coordinator_stub, PROMPT, LENGTH, k, sampling, total, max_new_tokens, seed=zlib.crc32(case_id.encode()) % 997
     )
     statistic, p_value, bins = chi_square_fit(counts, law)
     needed = samples_to_detect(tv=0.05, bins=bins, significance=SIGNIFICANCE, power=0.9)

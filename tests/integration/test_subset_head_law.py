@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from law import chi_square_fit, exact_sequence_law, samples_to_detect
+from law import chi_square_fit, exact_sequence_law, sample_counts, samples_to_detect
 
-from specdec.client import build_request
 from specdec.sampling import Sampling
 
 SIGNIFICANCE = 0.001
@@ -68,21 +67,9 @@ def test_pipeline_with_subset_draft_follows_target_law(subset_stack, tiny_loaded
     # The cut matters: the target puts real mass on tokens the draft can never propose.
     outside = [t for t in range(8) if t not in SUBSET]
     assert law.sum(axis=(1, 2))[outside].sum() > 0.05
-    counts = np.zeros((8,) * LENGTH)
-    drafted = accepted = recovered = done = 0
-    while done < total:
-        n = min(4096, total - done)
-        response = subset_stack["stub"].Generate(
-            build_request(PROMPT, max_new_tokens=LENGTH, seed=424_242 + done, num_speculative_tokens=k,
-                          ignore_eos=True, num_samples=n),
-            timeout=600,
-        )
-        for completion in response.completions:
-            counts[tuple(completion.token_ids[:LENGTH])] += 1
-        drafted += response.stats.drafted_tokens
-        accepted += response.stats.accepted_tokens
-        recovered += response.stats.recovered_tokens
-        done += n
+    counts, drafted, accepted, recovered = sample_counts(
+        subset_stack["stub"], PROMPT, LENGTH, k, sampling, total, LENGTH, seed=424
+    )
     statistic, p_value, bins = chi_square_fit(counts, law)
     needed = samples_to_detect(tv=0.05, bins=bins, significance=SIGNIFICANCE, power=0.9)
     acceptance = accepted / (accepted + recovered)
