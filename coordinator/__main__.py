@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
-
-# Idle OpenMP threads must sleep, not spin: draft, target and coordinator often share cores,
-# and spinning workers of one process slow the others' forwards by an order of magnitude.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from coordinator.server import create_server
 from coordinator.settings import CoordinatorSettings
-from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
+from specdec.serving import configure_logging, serve_until_signal
 from specdec.settings import load_settings
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
-# Idle OpenMP threads must sleep, not spin: draft, target and coordinator often share cores,
-# and spinning workers of one process slow the others' forwards by an order of magnitude.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from specdec.openmp_env import set_openmp_defaults
+
+set_openmp_defaults()  # before anything imports torch
 
 from draft_service.server import create_server
 from draft_service.settings import DraftSettings
-from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
+from specdec.serving import configure_logging, serve_until_signal
 from specdec.settings import load_settings
 
 

@@ -44,7 +44,8 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        proposals = propose(self.loaded.runner, self._requests(request), sampling)
+        runner = self.loaded.runner
+        proposals = runner.on_model_thread(propose, runner, self._requests(request), sampling)
         return draft_pb2.ProposeResponse(
             proposals=[
                 draft_pb2.Proposal(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
-# Idle OpenMP threads must sleep, not spin: draft, target and coordinator often share cores,
-# and spinning workers of one process slow the others' forwards by an order of magnitude.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from specdec.openmp_env import set_openmp_defaults
 
-from specdec.serving import configure_logging, serve_until_signal  # noqa: E402 - after the env default
+set_openmp_defaults()  # before anything imports torch
+
+from specdec.serving import configure_logging, serve_until_signal
 from specdec.settings import load_settings
 from target_service.server import create_server
 from target_service.settings import TargetSettings

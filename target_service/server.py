@@ -43,7 +43,8 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        results = verify(self.loaded.runner, self._requests(request), sampling)
+        runner = self.loaded.runner
+        results = runner.on_model_thread(verify, runner, self._requests(request), sampling)
         return target_pb2.VerifyResponse(
             verifications=[
                 target_pb2.Verification(target_probs=encode_probs(r.target_probs), cached_tokens=r.cached_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from specdec.client import build_request
@@ -94,3 +96,24 @@ def test_text_prompt_is_tokenized_with_the_target_tokenizer(coordinator_stub):
     by_ids = coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=5, temperature=0, ignore_eos=True))
     assert response.completions[0].token_ids == by_ids.completions[0].token_ids
     assert response.stats.prompt_tokens == 5
+
+
+def test_each_service_runs_its_model_on_one_thread(coordinator_stub, tiny_loaded):
+    # OpenMP keeps a worker team per calling thread; forwards from many gRPC worker threads
+    # would build many teams that slow each other down. Each service runs every forward on
+    # its runner's single model thread, whichever gRPC thread took the call.
+    seen: dict[str, set[str]] = {"draft": set(), "target": set()}
+    hooks = [
+        tiny_loaded[role].runner.model.register_forward_pre_hook(
+            lambda module, args, role=role: seen[role].add(threading.current_thread().name)
+        )
+        for role in seen
+    ]
+    try:
+        for seed in range(3):
+            coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=12, seed=seed, num_speculative_tokens=2))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for role, names in seen.items():
+        assert len(names) == 1 and next(iter(names)).startswith("model"), (role, names)
