@@ -138,6 +138,8 @@ def check_compatible(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) 
         problems.append(f"vocab size {draft.vocab_size} vs {target.vocab_size}")
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         problems.append("tokenizer fingerprints differ")
+    if draft.needs_target_hidden_states and draft.hidden_size != target.hidden_size:
+        problems.append(f"the draft reads hidden states of width {draft.hidden_size}, the target's are {target.hidden_size}")
     if problems:
         raise FailedPrecondition(
             f"draft model {draft.model_id!r} and target model {target.model_id!r} are incompatible "

@@ -18,7 +18,7 @@ from coordinator.clients import Deadline
 from specdec.errors import ServiceError
 from specdec.sampling import Sampling, derive_seed, rng_for, speculative_round
 from specdec.v1 import coordinator_pb2, draft_pb2, target_pb2
-from specdec.wire import decode_probs, sampling_to_proto
+from specdec.wire import decode_probs, encode_hidden_states, sampling_to_proto
 
 FINISH_LENGTH = coordinator_pb2.FINISH_REASON_LENGTH
 FINISH_EOS = coordinator_pb2.FINISH_REASON_EOS
@@ -46,6 +46,8 @@ class GenerationSpec:
     max_draft_context: int = 0  # the draft's position limit (0 = unknown)
     cache_key: str = ""  # KV-cache key for the model services (single-sample requests)
     sample_batch_size: int = 1024
+    # The draft reads the target's hidden states (ModelInfo.needs_target_hidden_states).
+    draft_needs_hidden: bool = False
 
 
 @dataclass
@@ -57,6 +59,9 @@ class Sample:
     generated: list[int] = field(default_factory=list)
     finish_reason: int = 0  # FINISH_REASON_UNSPECIFIED while running
     stopped_text: str | None = None  # text cut before a stop string, once one matched
+    # [m, H] float16: the target's final hidden states at context positions 0..m-1, for a
+    # draft that reads them. Kept for the whole call; rebuilt by the first round of the next.
+    target_hidden: np.ndarray | None = None
 
     @property
     def running(self) -> bool:
@@ -132,6 +137,13 @@ class SpeculativeEngine:
                 k = min(k, limit - len(sample.context))
         return max(0, k)
 
+    @staticmethod
+    def _known_hidden(spec: GenerationSpec, sample: Sample) -> int:
+        """Rows of the target's hidden states this sample holds (0 unless the draft reads them)."""
+        if not spec.draft_needs_hidden or spec.num_speculative_tokens <= 0 or sample.target_hidden is None:
+            return 0
+        return min(sample.target_hidden.shape[0], len(sample.context) - 1)
+
     def _cache_key(self, spec: GenerationSpec, sample: Sample) -> str:
         return spec.cache_key if spec.num_samples == 1 else ""
 
@@ -140,6 +152,12 @@ class SpeculativeEngine:
     ) -> RoundEvent:
         sampling_proto = sampling_to_proto(spec.sampling)
         ks = [self._num_draft_tokens(spec, s) for s in running]
+        reads_hidden = spec.draft_needs_hidden and spec.num_speculative_tokens > 0
+        known = [self._known_hidden(spec, s) for s in running]
+        if reads_hidden:
+            # The draft at position t reads the target's state at t - 1: until the target has
+            # returned them for the whole context (its first round here), the round is target-only.
+            ks = [k if known[i] == len(running[i].context) - 1 else 0 for i, k in enumerate(ks)]
         drafts: list[list[int]] = [[] for _ in running]
         draft_probs: list[np.ndarray | None] = [None for _ in running]
 
@@ -152,6 +170,9 @@ class SpeculativeEngine:
                         prefix_token_ids=running[i].context,
                         num_draft_tokens=ks[i],
                         seed=derive_seed(spec.seed, running[i].index, round_index, _DRAFT_STREAM),
+                        target_hidden_states=(
+                            encode_hidden_states(running[i].target_hidden[: known[i]]) if reads_hidden else None
+                        ),
                     )
                     for i in proposing
                 ],
@@ -171,7 +192,10 @@ class SpeculativeEngine:
         request = target_pb2.VerifyRequest(
             sequences=[
                 target_pb2.VerifySequence(
-                    session_id=self._cache_key(spec, s), prefix_token_ids=s.context, draft_token_ids=drafts[i]
+                    session_id=self._cache_key(spec, s),
+                    prefix_token_ids=s.context,
+                    draft_token_ids=drafts[i],
+                    hidden_states_from=known[i] if reads_hidden else None,
                 )
                 for i, s in enumerate(running)
             ],
@@ -205,8 +229,30 @@ class SpeculativeEngine:
             stats.recovered_tokens += result.recovered_token is not None
             stats.bonus_tokens += result.bonus_token is not None
             stats.emitted_tokens += len(result.tokens)
+            if reads_hidden:
+                self._keep_hidden(sample, verification, known[i], ks[i], len(result.accepted_tokens))
             new_tokens[sample.index] = self._append(spec, sample, result.tokens)
         return RoundEvent(round_index, new_tokens)
+
+    @staticmethod
+    def _keep_hidden(sample: Sample, verification, known: int, k: int, accepted: int) -> None:
+        """Extend the sample's hidden states by the rows the target just computed on tokens that stay.
+
+        The target ran positions known..n+K-1 (n = context length before this round). Rows up to
+        the last accepted draft token (n - 1 + accepted) belong to the committed context; the
+        rejected drafts' rows do not, and the new last token has none yet (the next round's
+        Verify returns it).
+        """
+        n = len(sample.context)  # called before the round's tokens are appended
+        try:
+            rows = decode_probs(verification.hidden_states)
+        except ValueError as exc:
+            raise ServiceError(f"target hidden states: {exc}") from exc
+        if rows.ndim != 2 or rows.shape[0] != n + k - known:
+            raise ServiceError(f"target returned hidden states {rows.shape} for positions {known}..{n + k - 1}")
+        keep = rows[: n + accepted - known]
+        old = sample.target_hidden[:known] if sample.target_hidden is not None and known else None
+        sample.target_hidden = keep if old is None else np.concatenate([old, keep])
 
     # ------------------------------------------------------------ stopping
 

@@ -250,6 +250,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             num_samples=num_samples,
             max_context=max_context,
             max_draft_context=pools.draft.max_position_embeddings if pools.draft is not None else 0,
+            draft_needs_hidden=pools.draft is not None and pools.draft.needs_target_hidden_states,
             cache_key=session_id or "",
             sample_batch_size=self.settings.sample_batch_size,
         )

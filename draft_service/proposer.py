@@ -18,6 +18,8 @@ class DraftRequest:
     prefix_token_ids: list[int]
     num_draft_tokens: int
     seed: int
+    # [len(prefix) - 1, H]: the target's final hidden states, for a draft conditioned on them.
+    target_hidden: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,12 @@ def _draw(probs_wire: np.ndarray, uniform: float) -> int:
     return sample_token(normalize(probs_wire), uniform)
 
 
+def _fed_hidden(request: DraftRequest) -> torch.Tensor:
+    """[len(prefix), H]: row t is what position t reads, the target's state at t - 1 (zeros at 0)."""
+    target_hidden = torch.from_numpy(np.asarray(request.target_hidden, dtype=np.float32))
+    return torch.cat([target_hidden.new_zeros((1, target_hidden.shape[1])), target_hidden])
+
+
 def propose(runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling) -> list[DraftProposal]:
     if len(requests) == 1:
         return [_propose_cached(runner, requests[0], sampling)]
@@ -49,13 +57,22 @@ def _propose_cached(runner: ModelRunner, request: DraftRequest, sampling: Sampli
     tokens: list[int] = []
     rows: list[np.ndarray] = []
     cached = 0
+    # A hidden-state draft reads the target's states along the prefix, then its own for the
+    # tokens it drafts (the target has not seen those yet). Only the prefix positions are
+    # cached for the next round: the drafted ones were computed from the draft's guesses.
+    fed = _fed_hidden(request) if runner.needs_target_hidden else None
+    exact_len = len(request.prefix_token_ids) if fed is not None else None
     for step in range(request.num_draft_tokens):
-        result = runner.last_logits(request.session_id, request.prefix_token_ids + tokens, 1)
+        result = runner.last_logits(
+            request.session_id, request.prefix_token_ids + tokens, 1, input_hidden=fed, exact_len=exact_len
+        )
         if step == 0:
             cached = result.cached_tokens
         probs = to_wire(warp_logits(result.logits, sampling))[0]
         tokens.append(_draw(probs, uniforms[step]))
         rows.append(probs)
+        if fed is not None:
+            fed = torch.cat([fed, result.hidden[-1:]])
     return DraftProposal(tokens, np.stack(rows), cached)
 
 
@@ -64,11 +81,18 @@ def _propose_batch(runner: ModelRunner, requests: Sequence[DraftRequest], sampli
     uniforms = [_uniforms(r.seed, r.num_draft_tokens) for r in requests]
     tokens: list[list[int]] = [[] for _ in requests]
     rows: list[list[np.ndarray]] = [[] for _ in requests]
+    fed = [_fed_hidden(r) for r in requests] if runner.needs_target_hidden else None
     for step in range(max(r.num_draft_tokens for r in requests)):
         active = [i for i, r in enumerate(requests) if r.num_draft_tokens > step]
-        logits = runner.batch_last_logits([requests[i].prefix_token_ids + tokens[i] for i in active], [1] * len(active))
-        probs = to_wire(warp_logits(torch.cat(logits), sampling))
+        results = runner.batch_forward(
+            [requests[i].prefix_token_ids + tokens[i] for i in active],
+            [1] * len(active),
+            input_hidden=[fed[i] for i in active] if fed is not None else None,
+        )
+        probs = to_wire(warp_logits(torch.cat([r.logits for r in results]), sampling))
         for row, i in enumerate(active):
             tokens[i].append(_draw(probs[row], uniforms[i][step]))
             rows[i].append(probs[row])
+            if fed is not None:
+                fed[i] = torch.cat([fed[i], results[row].hidden[-1:]])
     return [DraftProposal(tokens[i], np.stack(rows[i]), 0) for i in range(len(requests))]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from draft_service.proposer import DraftRequest, propose
 from draft_service.settings import DraftSettings
 from specdec.errors import InvalidArgument, grpc_errors
@@ -15,7 +17,7 @@ from specdec.serving import (
     validate_token_ids,
 )
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.wire import encode_probs, sampling_from_proto
+from specdec.wire import decode_probs, encode_probs, sampling_from_proto
 
 
 class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
@@ -35,8 +37,26 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     f"num_draft_tokens must be in [1, {self.settings.max_draft_tokens}], got {seq.num_draft_tokens}"
                 )
             validate_length(len(prefix) + seq.num_draft_tokens, runner.max_positions)
-            parsed.append(DraftRequest(seq.session_id, prefix, seq.num_draft_tokens, seq.seed))
+            target_hidden = self._target_hidden(seq, len(prefix)) if runner.needs_target_hidden else None
+            parsed.append(DraftRequest(seq.session_id, prefix, seq.num_draft_tokens, seq.seed, target_hidden))
         return parsed
+
+    def _target_hidden(self, seq: draft_pb2.DraftSequence, prefix_len: int):
+        """The [prefix_len - 1, H] hidden states a hidden-state-conditioned draft reads."""
+        expected = (prefix_len - 1, self.loaded.runner.hidden_size)
+        if not seq.HasField("target_hidden_states"):
+            raise InvalidArgument(
+                f"this draft is conditioned on the target's hidden states: target_hidden_states {list(expected)} is required"
+            )
+        try:
+            hidden = decode_probs(seq.target_hidden_states)
+        except ValueError as exc:
+            raise InvalidArgument(f"target_hidden_states: {exc}") from exc
+        if hidden.shape != expected:
+            raise InvalidArgument(f"target_hidden_states has shape {list(hidden.shape)}, expected {list(expected)}")
+        if not np.isfinite(hidden).all():
+            raise InvalidArgument("target_hidden_states holds non-finite values")
+        return hidden
 
     @grpc_errors
     def Propose(self, request, context):  # noqa: N802 - gRPC name

@@ -16,6 +16,13 @@ stored in the weights file as `head.token_ids`). With a 49k vocabulary and a 2-l
 draft the full head is ~80% of a draft step; 8k rows cut it ~6x. The draft then gives
 q(x) = 0 outside the subset, which the rejection rule handles exactly (the residual
 max(0, p - q) carries that mass), so only alpha pays: the subset's share of p.
+
+A draft may also be conditioned on the target's hidden states (EAGLE-style; manifest
+`"conditioning": "target_hidden"`): position t is fed `hidden_fuse([f_{t-1}; embed(x_t)])`,
+where f_{t-1} is the target's final hidden state at the previous position (zeros at t = 0),
+instead of embed(x_t) alone. The target has already done the work of reading the context
+into f; the draft only has to look one token further, which a single layer does far better
+than it can predict from tokens. The extra weights are `hidden_fuse.{weight,bias}`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ ARTIFACT_FORMAT = "specdec-draft/1"
 WEIGHTS_FILE = "draft_layers.safetensors"
 LAYER_PREFIX = "model.layers."
 HEAD_TOKEN_IDS = "head.token_ids"
+HIDDEN_FUSE = "hidden_fuse"
+TRAINED_PREFIXES = (LAYER_PREFIX, HIDDEN_FUSE + ".")
+CONDITIONING_TOKENS = "tokens"
+CONDITIONING_TARGET_HIDDEN = "target_hidden"
 
 
 class DraftArtifactError(ValueError):
@@ -138,7 +149,9 @@ def _decoder(model):
     return inner
 
 
-def build_draft(target_model, num_layers: int, init_layers: list[int] | None = None):
+def build_draft(
+    target_model, num_layers: int, init_layers: list[int] | None = None, conditioning: str = CONDITIONING_TOKENS
+):
     """A float32 draft with `num_layers` decoder layers copied from `init_layers` of the target.
 
     Embedding, final norm and LM head are copies of the target's and are frozen
@@ -164,19 +177,54 @@ def build_draft(target_model, num_layers: int, init_layers: list[int] | None = N
             # load_state_dict, not a module copy: the attention's layer_idx (the cache slot) stays dst.
             state = {k: v.float() for k, v in target_inner.layers[src].state_dict().items()}
             draft_inner.layers[dst].load_state_dict(state)
+    if conditioning == CONDITIONING_TARGET_HIDDEN:
+        add_hidden_fuse(draft)
+    elif conditioning != CONDITIONING_TOKENS:
+        raise DraftArtifactError(f"unknown draft conditioning {conditioning!r}")
     freeze_shared(draft)
     draft.generation_config = copy.deepcopy(getattr(target_model, "generation_config", draft.generation_config))
     return draft
 
 
+def add_hidden_fuse(draft) -> None:
+    """Make `draft` read the target's hidden states: a trainable Linear([f; e]) -> input.
+
+    Starts as (f + e) / 2, so the untrained draft already sees both the token and the context.
+    """
+    hidden = int(draft.config.hidden_size)
+    fuse = torch.nn.Linear(2 * hidden, hidden, bias=True)
+    with torch.no_grad():
+        fuse.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1) * 0.5)
+        fuse.bias.zero_()
+    param = next(draft.parameters())
+    setattr(draft, HIDDEN_FUSE, fuse.to(device=param.device, dtype=param.dtype))
+    draft.config.specdec_conditioning = CONDITIONING_TARGET_HIDDEN
+
+
+def needs_target_hidden(model) -> bool:
+    """True for a draft conditioned on the target's hidden states."""
+    return isinstance(getattr(model, HIDDEN_FUSE, None), torch.nn.Module)
+
+
+def fused_inputs(model, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+    """The input embeddings of a hidden-state-conditioned draft.
+
+    token_ids: [B, T]; prev_hidden: [B, T, H], row t the target's final hidden state at
+    position t - 1 (zeros at position 0). Returns [B, T, H].
+    """
+    embeds = model.get_input_embeddings()(token_ids)
+    fuse = getattr(model, HIDDEN_FUSE)
+    return fuse(torch.cat([prev_hidden.to(embeds.dtype), embeds], dim=-1))
+
+
 def freeze_shared(draft) -> None:
     for name, param in draft.named_parameters():
-        param.requires_grad_(name.startswith(LAYER_PREFIX))
+        param.requires_grad_(name.startswith(TRAINED_PREFIXES))
 
 
 def trained_state(draft) -> dict[str, torch.Tensor]:
-    """The decoder layers' tensors: what the artifact stores."""
-    return {k: v for k, v in draft.state_dict().items() if k.startswith(LAYER_PREFIX)}
+    """The decoder layers' (and hidden fuse's) tensors: what the artifact stores."""
+    return {k: v for k, v in draft.state_dict().items() if k.startswith(TRAINED_PREFIXES)}
 
 
 def save_draft_artifact(
@@ -211,6 +259,7 @@ def save_draft_artifact(
         "target_tokenizer_fingerprint": tokenizer_fingerprint,
         "shared_from_target": ["embedding", "final norm", "lm head"],
         "head_tokens": int(subset.numel()) if subset is not None else None,
+        "conditioning": CONDITIONING_TARGET_HIDDEN if needs_target_hidden(draft) else CONDITIONING_TOKENS,
         "info": info or {},
     }
     tmp_manifest = directory / (DRAFT_ARTIFACT_MARKER + ".tmp")
@@ -254,7 +303,8 @@ def load_draft_artifact(directory: str | Path, dtype: str = "float32", device: s
         target_model, _ = load_causal_lm(artifact_target(directory), dtype="float32", device="cpu")
     num_layers = int(manifest["num_layers"])
     init_layers = [int(i) for i in manifest.get("init_layers") or range(num_layers)]
-    draft = build_draft(target_model, num_layers, init_layers)
+    conditioning = str(manifest.get("conditioning", CONDITIONING_TOKENS))
+    draft = build_draft(target_model, num_layers, init_layers, conditioning)
     del target_model
     load_draft_weights(draft, directory, manifest)
     draft.requires_grad_(False)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.draft_artifact import fused_inputs, needs_target_hidden
+
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -29,6 +31,11 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class _CacheEntry:
     token_ids: list[int]  # the tokens whose keys/values `kv` holds
     kv: object  # transformers Cache
+    # Final hidden states of the first rows of token_ids ([n, H]; kept only when asked for).
+    hidden: torch.Tensor | None = None
+    # Positions whose keys/values are a function of the tokens alone. A draft fed its own
+    # hidden state for speculative positions stores those too, but they are not reusable.
+    exact_len: int | None = None
 
 
 class SessionKVCache:
@@ -78,6 +85,7 @@ class SessionKVCache:
 class LogitsResult:
     logits: torch.Tensor  # [num_last, V] float32 on CPU
     cached_tokens: int  # prefix tokens whose keys/values came from the cache
+    hidden: torch.Tensor | None = None  # [len(token_ids) - hidden_from, H] float32 on CPU, when asked
 
 
 class ModelRunner:
@@ -91,6 +99,9 @@ class ModelRunner:
         # out_features, not weight rows: a vocabulary-subset head has fewer rows than it has outputs.
         self.vocab_size = int(getattr(head, "out_features", head.weight.shape[0]))
         self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
+        # A draft fed the target's hidden states (draft_artifact.fused_inputs) rather than tokens alone.
+        self.needs_target_hidden = needs_target_hidden(model)
         self._lock = threading.Lock()
         # One long-lived thread runs every torch op the services ask of this model. OpenMP keeps a
         # worker team per calling thread: forwards from a pool of gRPC threads build many teams,
@@ -108,21 +119,44 @@ class ModelRunner:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def last_logits(self, session_id: str, token_ids: Sequence[int], num_last: int) -> LogitsResult:
+    def last_logits(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        num_last: int,
+        hidden_from: int | None = None,
+        input_hidden: torch.Tensor | None = None,
+        exact_len: int | None = None,
+    ) -> LogitsResult:
         """Logits at the last `num_last` positions of `token_ids`, reusing the session's cache.
 
         The cache entry is cropped to the longest common prefix with `token_ids`
         (this is the rollback after a rejection), then only the new tokens run.
+
+        hidden_from: also return the final hidden states at positions hidden_from.. (and keep
+        them in the cache, so a later call can ask for positions it did not run).
+        input_hidden: [len(token_ids), H] for a draft conditioned on hidden states
+        (`draft_artifact.fused_inputs`): row t is what position t is fed with. Only the first
+        `exact_len` positions (default: all) are cached for reuse by later calls.
         """
         token_ids = list(token_ids)
         if not 1 <= num_last <= len(token_ids):
             raise ValueError(f"num_last={num_last} for {len(token_ids)} tokens")
+        if hidden_from is not None and not 0 <= hidden_from <= len(token_ids) - num_last:
+            raise ValueError(f"hidden_from={hidden_from} for {len(token_ids)} tokens, {num_last} to score")
+        exact_len = len(token_ids) if exact_len is None else exact_len
         with self._lock:
             entry = self.cache.take(session_id) if session_id else None
             # At least the last num_last positions must run to produce their logits.
             reuse = 0
             if entry is not None:
                 reuse = min(common_prefix_length(entry.token_ids, token_ids), len(token_ids) - num_last)
+                if entry.exact_len is not None:
+                    reuse = min(reuse, entry.exact_len)
+                if hidden_from is not None and hidden_from < reuse:
+                    # Hidden states for [hidden_from, reuse) must come from the cache.
+                    stored = 0 if entry.hidden is None else entry.hidden.shape[0]
+                    reuse = min(reuse, max(stored, hidden_from))
                 cached_len = len(entry.token_ids)
                 if reuse <= 0:
                     entry = None
@@ -135,17 +169,49 @@ class ModelRunner:
             else:
                 self.cache.hits += 1
             new_tokens = torch.tensor([token_ids[reuse:]], dtype=torch.long, device=self.device)
+            want_hidden = hidden_from is not None or input_hidden is not None
+            if input_hidden is not None:
+                rows = input_hidden[reuse:].to(self.device).unsqueeze(0)
+                inputs = {"inputs_embeds": fused_inputs(self.model, new_tokens, rows)}
+            else:
+                inputs = {"input_ids": new_tokens}
             # On an exception the entry (possibly half-updated) is simply not put back.
-            out = self.model(input_ids=new_tokens, cache=entry.kv, use_cache=True, logits_to_keep=num_last)
+            out = self.model(
+                **inputs, cache=entry.kv, use_cache=True, logits_to_keep=num_last, output_hidden_states=want_hidden
+            )
             logits = out.logits[0, -num_last:].float().cpu()
+            hidden = None
+            if want_hidden:
+                ran = out.hidden_states[-1][0].float().cpu()  # positions [reuse, len), after the final norm
+                stored = entry.hidden if entry.hidden is not None and entry.hidden.shape[0] >= reuse else None
+                full = ran if reuse == 0 else (torch.cat([stored[:reuse], ran]) if stored is not None else None)
+                if hidden_from is None:
+                    hidden = ran
+                else:  # the reuse rule above guarantees `full` whenever hidden_from < reuse
+                    hidden = full[hidden_from:] if full is not None else ran[hidden_from - reuse :]
+                entry.hidden = full if hidden_from is not None else None
+            else:
+                entry.hidden = None
             if session_id:
                 entry.token_ids = token_ids
+                entry.exact_len = exact_len
                 self.cache.put(session_id, entry)
-            return LogitsResult(logits, reuse)
+            return LogitsResult(logits, reuse, hidden)
 
-    @torch.inference_mode()
     def batch_last_logits(self, sequences: Sequence[Sequence[int]], num_last: Sequence[int]) -> list[torch.Tensor]:
         """Independent sequences in one left-padded forward, no cache. Returns [num_last_i, V] each."""
+        return [r.logits for r in self.batch_forward(sequences, num_last)]
+
+    @torch.inference_mode()
+    def batch_forward(
+        self,
+        sequences: Sequence[Sequence[int]],
+        num_last: Sequence[int],
+        hidden_from: Sequence[int] | None = None,
+        input_hidden: Sequence[torch.Tensor] | None = None,
+    ) -> list[LogitsResult]:
+        """Independent sequences in one left-padded forward, no cache; `last_logits` per row
+        (hidden_from / input_hidden as there, one entry per sequence)."""
         lengths = [len(s) for s in sequences]
         width = max(lengths)
         pad = 0
@@ -156,13 +222,30 @@ class ModelRunner:
             attention_mask[row, width - len(seq) :] = 1
         # Left padding: positions must count real tokens only.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        want_hidden = hidden_from is not None or input_hidden is not None
+        if input_hidden is not None:
+            rows = torch.zeros((len(sequences), width, input_hidden[0].shape[-1]), dtype=torch.float32)
+            for row, (seq, fed) in enumerate(zip(sequences, input_hidden, strict=True)):
+                rows[row, width - len(seq) :] = fed.float()
+            inputs = {"inputs_embeds": fused_inputs(self.model, input_ids.to(self.device), rows.to(self.device))}
+        else:
+            inputs = {"input_ids": input_ids.to(self.device)}
         with self._lock:
             out = self.model(
-                input_ids=input_ids.to(self.device),
+                **inputs,
                 attention_mask=attention_mask.to(self.device),
                 position_ids=position_ids.to(self.device),
                 use_cache=False,
                 logits_to_keep=max(num_last),
+                output_hidden_states=want_hidden,
             )
         logits = out.logits.float().cpu()
-        return [logits[row, logits.shape[1] - n :] for row, n in enumerate(num_last)]
+        final = out.hidden_states[-1].float().cpu() if want_hidden else None
+        results = []
+        for row, n in enumerate(num_last):
+            hidden = None
+            if final is not None:
+                first = hidden_from[row] if hidden_from is not None else 0
+                hidden = final[row, width - lengths[row] + first :]
+            results.append(LogitsResult(logits[row, logits.shape[1] - n :], 0, hidden))
+        return results

@@ -180,6 +180,8 @@ def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: s
         device=str(runner.device),
         max_position_embeddings=runner.max_positions,
         role=role,
+        hidden_size=runner.hidden_size,
+        needs_target_hidden_states=runner.needs_target_hidden,
     )
 
 

@@ -7,13 +7,24 @@ import numpy as np
 from specdec.sampling import Sampling
 from specdec.v1 import common_pb2
 
-_DTYPES = {common_pb2.DTYPE_FLOAT32: np.float32, common_pb2.DTYPE_FLOAT64: np.float64}
+_DTYPES = {
+    common_pb2.DTYPE_FLOAT32: np.float32,
+    common_pb2.DTYPE_FLOAT64: np.float64,
+    common_pb2.DTYPE_FLOAT16: np.float16,
+}
 
 
 def encode_probs(probs: np.ndarray) -> common_pb2.ProbTensor:
     """[N, V] float32 array -> ProbTensor (raw bytes; never `repeated float`)."""
     probs = np.ascontiguousarray(probs, dtype=np.float32)
     return common_pb2.ProbTensor(data=probs.tobytes(), shape=list(probs.shape), dtype=common_pb2.DTYPE_FLOAT32)
+
+
+def encode_hidden_states(hidden: np.ndarray) -> common_pb2.ProbTensor:
+    """[N, H] hidden states -> float16 ProbTensor: half the bytes, and float16 is what drafts
+    are trained on (the distillation cache stores them so)."""
+    hidden = np.ascontiguousarray(hidden, dtype=np.float16)
+    return common_pb2.ProbTensor(data=hidden.tobytes(), shape=list(hidden.shape), dtype=common_pb2.DTYPE_FLOAT16)
 
 
 def decode_probs(tensor: common_pb2.ProbTensor) -> np.ndarray:

@@ -13,7 +13,7 @@ from specdec.serving import (
     validate_token_ids,
 )
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire import encode_probs, sampling_from_proto
+from specdec.wire import encode_hidden_states, encode_probs, sampling_from_proto
 from target_service.settings import TargetSettings
 from target_service.verifier import VerifyRequest, verify
 
@@ -34,7 +34,10 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             validate_token_ids(prefix, runner.vocab_size, "prefix_token_ids")
             validate_token_ids(drafts, runner.vocab_size, "draft_token_ids")
             validate_length(len(prefix) + len(drafts), runner.max_positions)
-            parsed.append(VerifyRequest(seq.session_id, prefix, drafts))
+            hidden_from = seq.hidden_states_from if seq.HasField("hidden_states_from") else None
+            if hidden_from is not None and not 0 <= hidden_from < len(prefix):
+                raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
+            parsed.append(VerifyRequest(seq.session_id, prefix, drafts, hidden_from))
         return parsed
 
     @grpc_errors
@@ -47,7 +50,11 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
         results = runner.on_model_thread(verify, runner, self._requests(request), sampling)
         return target_pb2.VerifyResponse(
             verifications=[
-                target_pb2.Verification(target_probs=encode_probs(r.target_probs), cached_tokens=r.cached_tokens)
+                target_pb2.Verification(
+                    target_probs=encode_probs(r.target_probs),
+                    cached_tokens=r.cached_tokens,
+                    hidden_states=encode_hidden_states(r.hidden) if r.hidden is not None else None,
+                )
                 for r in results
             ]
         )

@@ -1,0 +1,218 @@
+"""A draft that reads the target's hidden states (EAGLE-style), through the REAL services.
+
+Such a draft is fed, at position t, the target's final hidden state at t - 1 next to the
+token: the coordinator carries those states from each Verify to the next Propose. The
+output must still be exactly the target's law (chi-square at significance 0.001, fixed
+seeds), the caches must not change any result, and a bad request gets INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from law import chi_square_fit, exact_sequence_law, sample_counts, samples_to_detect
+
+from specdec.sampling import Sampling
+
+SIGNIFICANCE = 0.001
+PROMPT = [3, 1, 4]
+LENGTH = 3
+
+
+@pytest.fixture(scope="module")
+def hidden_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
+    from service_stack import start_stack, stop_stack
+
+    from draft_service.settings import DraftSettings
+    from specdec.draft_artifact import CONDITIONING_TARGET_HIDDEN, build_draft, save_draft_artifact
+    from specdec.models import load_causal_lm
+    from specdec.serving import load_model
+    from specdec.settings import load_settings
+    from specdec.v1 import coordinator_pb2_grpc
+
+    target, _ = load_causal_lm(tiny_model_dirs["target"])
+    draft = build_draft(target, 1, [1], conditioning=CONDITIONING_TARGET_HIDDEN)
+    with torch.no_grad():  # an untrained fuse and layer, perturbed: a draft that reads f but disagrees
+        generator = torch.Generator().manual_seed(7)
+        for param in [*draft.model.layers.parameters(), *draft.hidden_fuse.parameters()]:
+            param.add_(0.5 * torch.randn(param.shape, generator=generator) * (param.std() + 0.05))
+    artifact = save_draft_artifact(tmp_path_factory.mktemp("hidden") / "draft", draft, tiny_model_dirs["target"], [1])
+    loaded = load_model(load_settings(DraftSettings, [], {}, model=str(artifact)), "draft")
+    stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=loaded)
+    channel = stack.channel()
+    yield {"stub": coordinator_pb2_grpc.CoordinatorStub(channel), "draft": loaded, "stack": stack}
+    channel.close()
+    stop_stack(stack)
+
+
+def _target_hidden(tiny_loaded, tokens: list[int]) -> np.ndarray:
+    runner = tiny_loaded["target"].runner
+    return runner.last_logits("", tokens, 1, hidden_from=0).hidden.numpy()
+
+
+def test_the_artifact_says_it_reads_hidden_states(hidden_stack, tiny_loaded):
+    info = hidden_stack["draft"].info
+    assert info.needs_target_hidden_states and info.hidden_size == tiny_loaded["target"].info.hidden_size
+    assert not tiny_loaded["target"].info.needs_target_hidden_states
+
+
+def test_target_hidden_states_from_the_cache_equal_a_fresh_forward(tiny_loaded):
+    runner = tiny_loaded["target"].runner
+    tokens = [3, 1, 4, 1, 5, 2, 6]
+    fresh = runner.last_logits("", tokens, 3, hidden_from=0)
+    assert fresh.hidden.shape == (len(tokens), runner.hidden_size)
+    # A session grows, rolls back, and asks for rows it ran in earlier calls.
+    runner.last_logits("hidden-cache", tokens[:4], 1, hidden_from=2)
+    runner.last_logits("hidden-cache", tokens[:5] + [7, 7], 3, hidden_from=4)
+    cached = runner.last_logits("hidden-cache", tokens, 2, hidden_from=1)
+    assert cached.cached_tokens == 5
+    torch.testing.assert_close(cached.hidden, fresh.hidden[1:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached.logits, fresh.logits[-2:], rtol=1e-4, atol=1e-5)
+
+
+def test_cached_proposals_equal_uncached_ones(hidden_stack, tiny_loaded):
+    """The draft's cache keeps only positions fed the target's states, never its own guesses."""
+    from draft_service.proposer import DraftRequest, propose
+
+    runner = hidden_stack["draft"].runner
+    sampling = Sampling(1.0)
+    first, second = [3, 1, 4], [3, 1, 4, 1, 5]
+    for prefix, seed in ((first, 1), (second, 2)):
+        request = DraftRequest("hidden-q", prefix, 3, seed, _target_hidden(tiny_loaded, prefix)[:-1])
+        (cached,) = propose(runner, [request], sampling)
+        (fresh,) = propose(runner, [DraftRequest("", prefix, 3, seed, request.target_hidden)], sampling)
+        # A batch of two runs the padded, cache-free path.
+        batch = propose(runner, [DraftRequest("", prefix, 3, seed, request.target_hidden)] * 2, sampling)
+        assert cached.draft_token_ids == fresh.draft_token_ids == batch[1].draft_token_ids
+        np.testing.assert_allclose(cached.draft_probs, fresh.draft_probs, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(batch[0].draft_probs, fresh.draft_probs, rtol=1e-4, atol=1e-6)
+    assert cached.cached_tokens == len(first)  # the second round reused the first's prefix
+
+
+def test_pipeline_with_hidden_draft_follows_target_law(hidden_stack, tiny_loaded, record_property):
+    total, k, sampling = 14_000, 3, Sampling(1.0)
+    law = exact_sequence_law(tiny_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
+    # The first token is the target's own (its round returns the states the draft reads);
+    # max_new_tokens leaves room for drafting the 2nd and 3rd.
+    counts, drafted, accepted, recovered = sample_counts(
+        hidden_stack["stub"], PROMPT, LENGTH, k, sampling, total, LENGTH + k, seed=515
+    )
+    statistic, p_value, bins = chi_square_fit(counts, law)
+    needed = samples_to_detect(tv=0.05, bins=bins, significance=SIGNIFICANCE, power=0.9)
+    acceptance = accepted / max(1, accepted + recovered)
+    summary = (
+        f"hidden-draft K3-T1: n={total} bins={bins} chi2={statistic:.1f} p={p_value:.4f} drafted={drafted} "
+        f"accepted={accepted} rejections={recovered} alpha-hat={acceptance:.3f} (n for TV 0.05: {needed})"
+    )
+    print(summary)
+    record_property("summary", summary)
+    assert total >= needed, summary
+    assert drafted >= total * k and recovered > total * 0.1 and accepted > total * 0.1, summary
+    assert p_value > SIGNIFICANCE, summary
+
+
+def test_sessions_with_hidden_draft_draft_after_one_target_round(hidden_stack):
+    from specdec.client import build_request
+
+    stub = hidden_stack["stub"]
+    request = build_request([3, 1, 4], max_new_tokens=12, seed=9, num_speculative_tokens=2, ignore_eos=True)
+    first = stub.Generate(request, timeout=60)
+    again = stub.Generate(request, timeout=60)
+    assert first.completions[0].token_ids == again.completions[0].token_ids  # seeded: reproducible
+    stats = first.stats
+    assert stats.generated_tokens == 12 and stats.drafted_tokens > 0
+    # Only the first round is target-only: it returns the states of the whole context.
+    assert stats.drafted_tokens >= 2 * (stats.rounds - 1) - 2
+    # Continuing the session (a new call: its hidden states are rebuilt by the target).
+    follow = build_request([2], max_new_tokens=6, seed=10, num_speculative_tokens=2, ignore_eos=True)
+    follow.session_id = first.session_id
+    continued = stub.Generate(follow, timeout=60)
+    assert continued.stats.generated_tokens == 6 and continued.stats.drafted_tokens > 0
+
+
+def test_bad_hidden_state_requests_get_invalid_argument(hidden_stack):
+    from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+    from specdec.wire import encode_hidden_states
+
+    stack = hidden_stack["stack"]
+    hidden = hidden_stack["draft"].runner.hidden_size
+    with grpc.insecure_channel(stack.draft_address) as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        for states, words in (
+            (None, "is required"),
+            (np.zeros((1, hidden)), "expected [2,"),
+            (np.full((2, hidden), np.nan), "non-finite"),
+        ):
+            seq = draft_pb2.DraftSequence(prefix_token_ids=[3, 1, 4], num_draft_tokens=2, seed=1)
+            if states is not None:
+                seq.target_hidden_states.CopyFrom(encode_hidden_states(states))
+            with pytest.raises(grpc.RpcError) as info:
+                draft.Propose(draft_pb2.ProposeRequest(sequences=[seq]), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in info.value.details()
+    with grpc.insecure_channel(stack.target_address) as channel:
+        target = target_pb2_grpc.TargetServiceStub(channel)
+        seq = target_pb2.VerifySequence(prefix_token_ids=[3, 1, 4], hidden_states_from=3)
+        with pytest.raises(grpc.RpcError) as info:
+            target.Verify(target_pb2.VerifyRequest(sequences=[seq]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "hidden_states_from" in info.value.details()
+
+
+class _Recording:
+    """A model client that keeps every request it forwards."""
+
+    def __init__(self, client, method: str):
+        self.client, self.method, self.requests = client, method, []
+
+    def __getattr__(self, name):
+        if name != self.method:
+            return getattr(self.client, name)
+
+        def call(request, deadline):
+            self.requests.append(request)
+            return getattr(self.client, name)(request, deadline)
+
+        return call
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_each_propose_carries_the_targets_states_for_its_whole_prefix(hidden_stack, tiny_loaded, num_samples):
+    """The coordinator keeps exactly the rows of tokens that stayed (never a rejected draft's)."""
+    from coordinator.clients import Deadline, DraftClient, TargetClient
+    from coordinator.generation import GenerationSpec, SpeculativeEngine, Stats, new_samples
+    from specdec.wire import decode_probs
+
+    stack = hidden_stack["stack"]
+    draft = _Recording(DraftClient(stack.draft_address, 30, 10, 64), "propose")
+    target = _Recording(TargetClient(stack.target_address, 30, 10, 64), "verify")
+    engine = SpeculativeEngine(draft, target, lambda ids: " ".join(map(str, ids)))
+    spec = GenerationSpec(
+        context_token_ids=[3, 1, 4],
+        max_new_tokens=16,
+        sampling=Sampling(1.0),
+        seed=21,
+        num_speculative_tokens=3,
+        num_samples=num_samples,
+        cache_key="hidden-rows" if num_samples == 1 else "",
+        draft_needs_hidden=True,
+    )
+    samples = new_samples(spec)
+    for _ in engine.run(spec, samples, Stats(), Deadline(None)):
+        pass
+    assert all(len(s.generated) == 16 for s in samples)
+    checked = 0
+    for request in draft.requests:
+        for seq in request.sequences:
+            prefix = list(seq.prefix_token_ids)
+            sent = decode_probs(seq.target_hidden_states).astype(np.float32)
+            expected = _target_hidden(tiny_loaded, prefix)[:-1]
+            np.testing.assert_allclose(sent, expected, rtol=2e-3, atol=2e-3)  # float16 on the wire
+            checked += 1
+    # Every round drafts but the first (the target's, for the whole context) and perhaps the
+    # last (one token left to generate: nothing to draft).
+    assert checked >= len(target.requests) - 2 and len(target.requests[0].sequences[0].draft_token_ids) == 0
+    draft.client.close()
+    target.client.close()
