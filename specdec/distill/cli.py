@@ -86,6 +86,11 @@ def add_subcommands(sub) -> None:
                    "vocabulary) = the full head")
     d.add_argument("--init-from", help="start from this draft artifact's layers (and head subset) "
                    "instead of target layers")
+    d.add_argument("--conditioning", choices=["tokens", "target_hidden"], default="tokens",
+                   help="target_hidden: the draft also reads the target's final hidden state at the previous "
+                   "position (EAGLE-style; the coordinator carries it from each Verify); tokens: a small LM")
+    d.add_argument("--hidden-loss-weight", type=float, default=0.2,
+                   help="target_hidden: weight of the smooth-L1 loss between the draft's and the target's states")
     d.set_defaults(func=_distill)
 
     e = sub.add_parser(

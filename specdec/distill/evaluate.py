@@ -6,7 +6,9 @@
   c       one cached decode step of the draft / one of the target, through specdec.runner.ModelRunner
           (the code path the model services run), median over `timing_steps` steps
   bound   Leviathan et al.: expected tokens per round (1 - alpha^(K+1)) / (1 - alpha) and
-          speedup (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)), for K = 1..max_k
+          speedup (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)), for K = 1..max_k. For a draft that
+          reads the target's hidden states, steps 2..K (fed the draft's own state) have their own
+          alpha: tokens per round 1 + a1 + a1 a2 + a1 a2^2 + ...
 """
 
 from __future__ import annotations
@@ -28,11 +30,22 @@ def expected_speedup(alpha: float, c: float, k: int) -> float:
     return expected_tokens(alpha, k) / (c * k + 1.0)
 
 
-def leviathan_table(alpha: float, c: float, max_k: int = 8) -> list[dict]:
-    return [
-        {"k": k, "tokens_per_round": expected_tokens(alpha, k), "speedup": expected_speedup(alpha, c, k)}
-        for k in range(1, max_k + 1)
-    ]
+def expected_tokens_stepwise(alpha_first: float, alpha_later: float, k: int) -> float:
+    """Expected tokens per round when the first draft step is accepted with alpha_first and the
+    later ones with alpha_later (a hidden-state draft: only its first step reads the target)."""
+    total, reach = 1.0, 1.0
+    for step in range(k):
+        reach *= alpha_first if step == 0 else alpha_later
+        total += reach
+    return total
+
+
+def leviathan_table(alpha: float, c: float, max_k: int = 8, alpha_later: float | None = None) -> list[dict]:
+    rows = []
+    for k in range(1, max_k + 1):
+        tokens = expected_tokens(alpha, k) if alpha_later is None else expected_tokens_stepwise(alpha, alpha_later, k)
+        rows.append({"k": k, "tokens_per_round": tokens, "speedup": tokens / (c * k + 1.0)})
+    return rows
 
 
 def _where(spec: str) -> tuple:
@@ -100,18 +113,63 @@ def agreement(draft, target, token_ids: list[int], start: int, temperature: floa
     return alphas.tolist(), (lp.argmax(-1) == lq.argmax(-1)).tolist()
 
 
+@torch.inference_mode()
+def hidden_agreement(
+    draft, target, token_ids: list[int], start: int, temperature: float
+) -> tuple[list[float], list[bool], list[float]]:
+    """`agreement` for a draft that reads the target's hidden states, run the way the services do.
+
+    Per position t in [start, len - 1): alpha of the draft's first step (fed the target's states
+    up to t - 1), greedy agreement, and alpha of a second step at t + 1, fed the draft's own
+    state at t (what the draft does for x_2..x_K, before the target has seen x_1).
+    """
+    from specdec.runner import ModelRunner, SessionKVCache
+    from specdec.sampling import Sampling, warp_logits
+
+    sampling = Sampling(temperature=temperature)
+    x = torch.tensor([token_ids])
+    out = target(input_ids=x, output_hidden_states=True)
+    lp = out.logits[0].float()
+    # float16, as the states travel on the wire.
+    states = out.hidden_states[-1][0].to(torch.float16).float()
+    fed = torch.cat([states.new_zeros((1, states.shape[1])), states[:-1]])
+    runner = ModelRunner(draft, SessionKVCache(max_entries=1, max_tokens=1_000_000))
+
+    def law(logits):
+        if sampling.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return warp_logits(logits, sampling)
+
+    first, greedy, second = [], [], []
+    for t in range(start, len(token_ids) - 1):
+        step = runner.last_logits("eval", token_ids[: t + 1], 1, input_hidden=fed[: t + 1], exact_len=t + 1)
+        first.append(float(torch.minimum(law(lp[t : t + 1]), law(step.logits)).sum()))
+        greedy.append(bool(lp[t].argmax() == step.logits[0].argmax()))
+        if t + 2 < len(token_ids):
+            own = torch.cat([fed[: t + 1], step.hidden[-1:]])
+            step2 = runner.last_logits("eval", token_ids[: t + 2], 1, input_hidden=own, exact_len=t + 1)
+            second.append(float(torch.minimum(law(lp[t + 1 : t + 2]), law(step2.logits)).sum()))
+    return first, greedy, second
+
+
 def step_seconds(model, prompt_ids: list[int], steps: int) -> list[float]:
     """Seconds per single-token cached decode step through ModelRunner."""
     from specdec.runner import ModelRunner, SessionKVCache
 
     runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=100_000))
     tokens = list(prompt_ids)
-    result = runner.last_logits("timing", tokens, 1)
+
+    def step():
+        # A hidden-state draft costs the same whatever the states hold.
+        fed = torch.zeros((len(tokens), runner.hidden_size)) if runner.needs_target_hidden else None
+        return runner.last_logits("timing", tokens, 1, input_hidden=fed)
+
+    result = step()
     times = []
     for _ in range(steps + 3):
         tokens.append(int(result.logits[0].argmax()))
         t0 = time.perf_counter()
-        result = runner.last_logits("timing", tokens, 1)
+        result = step()
         times.append(time.perf_counter() - t0)
     return times[3:]  # the first steps warm up allocators
 
@@ -141,8 +199,12 @@ def eval_draft(
     draft_model, target_model = _load_pair(draft, target, log)
     eos = eos_token_ids(target_model, tokenizer)
     texts = prompt_texts or heldout_prompts(prompts)
+    from specdec.draft_artifact import needs_target_hidden
+
+    reads_hidden = needs_target_hidden(draft_model)
     alphas: list[float] = []
     greedy: list[bool] = []
+    later: list[float] = []  # a hidden-state draft's second step
     per_prompt = []
     started = time.monotonic()
     for i, text in enumerate(texts):
@@ -150,7 +212,11 @@ def eval_draft(
         ids = sample_continuation(target_model, prompt_ids, max_new_tokens, temperature or 1.0, eos, seed + i)
         if len(ids) <= len(prompt_ids):
             continue
-        a, g = agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
+        if reads_hidden:
+            a, g, a2 = hidden_agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
+            later += a2
+        else:
+            a, g = agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
         alphas += a
         greedy += g
         per_prompt.append({"prompt": text, "positions": len(a), "alpha": sum(a) / len(a)})
@@ -161,19 +227,21 @@ def eval_draft(
     draft_times = step_seconds(draft_model, timing_prompt, timing_steps)
     t_target, t_draft = statistics.median(target_times), statistics.median(draft_times)
     c = t_draft / t_target
+    alpha_later = sum(later) / len(later) if later else None
     return {
         "draft": draft,
         "target": target,
         "temperature": temperature,
         "positions": len(alphas),
         "alpha": alpha,
+        "alpha_later_steps": alpha_later,
         "greedy_agreement": sum(greedy) / max(1, len(greedy)),
         "target_step_ms": 1000 * t_target,
         "draft_step_ms": 1000 * t_draft,
         "c": c,
         "threads": torch.get_num_threads(),
         "eval_seconds": time.monotonic() - started,
-        "bound": leviathan_table(alpha, c, max_k),
+        "bound": leviathan_table(alpha, c, max_k, alpha_later),
         "prompts": per_prompt,
     }
 
@@ -185,11 +253,16 @@ def format_report(report: dict) -> str:
         f"alpha (T={report['temperature']:g})        {report['alpha']:.4f}   over {report['positions']} positions "
         f"of target samples for {len(report['prompts'])} held-out prompts",
         f"greedy agreement   {report['greedy_agreement']:.4f}",
+    ]
+    later = report.get("alpha_later_steps")
+    if later is not None:
+        lines.append(f"alpha, steps 2..K  {later:.4f}   (the draft reads its own state, not the target's)")
+    lines += [
         f"step time          draft {report['draft_step_ms']:.2f} ms, target {report['target_step_ms']:.2f} ms "
         f"({report['threads']} threads)",
         f"c                  {report['c']:.3f}",
         "",
-        "Leviathan bound (i.i.d. acceptance):",
+        "Leviathan bound (i.i.d. acceptance):" if later is None else "Leviathan bound (first step alpha, then alpha of steps 2..K):",
         "  K   tokens/round   speedup",
     ]
     for row in report["bound"]:

@@ -13,6 +13,10 @@ Training and held-out evaluation use the positions t >= prompt_length - 1 (the l
 tokens: a draft is never asked to predict the user's prompt or the chat template).
 Shards are deterministic functions of (seed, kind, index), so generation resumes by skipping
 shards already on disk.
+
+For a draft that reads the target's hidden states, `hidden/<kind>-<index>.pt` holds the
+target's final hidden states over the same tokens ([N, L, H] float16, teacher-forced), built
+from the label shards by `build_hidden_cache`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Shard:
     topk_ids: torch.Tensor  # [N, L, k] int32
     topk_probs: torch.Tensor  # [N, L, k] float16
     prompt_lengths: torch.Tensor | None = None  # [N] int32; None: every position is a label
+    hidden: torch.Tensor | None = None  # [N, L', H] float16 target hidden states (L' >= longest row)
 
     def first_label(self, row: int) -> int:
         if self.prompt_lengths is None:
@@ -79,17 +84,63 @@ def save_shard(path: Path, rows: list[tuple], kind: str, meta: dict) -> None:
     tmp.replace(path)
 
 
-def load_shards(directory: Path, kinds: tuple[str, ...] | None = None) -> list[Shard]:
+def load_shards(directory: Path, kinds: tuple[str, ...] | None = None, with_hidden: bool = False) -> list[Shard]:
     shards = []
     for path in sorted(Path(directory).glob("*.pt")):
         kind = path.name.rsplit("-", 1)[0]
         if kinds is not None and kind not in kinds:
             continue
         data = torch.load(path, weights_only=True)
+        hidden = None
+        if with_hidden:
+            hidden_path = hidden_shard_path(path)
+            if not hidden_path.exists():
+                raise FileNotFoundError(f"{hidden_path} is missing: build_hidden_cache first")
+            hidden = torch.load(hidden_path, weights_only=True)
         shards.append(
-            Shard(data["tokens"], data["lengths"], data["topk_ids"], data["topk_probs"], data.get("prompt_lengths"))
+            Shard(
+                data["tokens"], data["lengths"], data["topk_ids"], data["topk_probs"], data.get("prompt_lengths"), hidden
+            )
         )
     return shards
+
+
+def hidden_shard_path(label_path: Path) -> Path:
+    return Path(label_path).parent / "hidden" / Path(label_path).name
+
+
+@torch.inference_mode()
+def build_hidden_cache(directory: Path, target, batch_size: int = 8, progress: bool = True, log=print) -> int:
+    """The target's final hidden states for every label shard in `directory` that lacks them.
+
+    Teacher-forced over the cached tokens, right-padded (causal attention: padding never
+    reaches earlier positions), stored as float16 - what the wire carries to a draft.
+    Returns the token count run now.
+    """
+    from tqdm.auto import tqdm
+
+    device = next(target.parameters()).device
+    paths = [p for p in sorted(Path(directory).glob("*.pt")) if not hidden_shard_path(p).exists()]
+    done = 0
+    started = time.monotonic()
+    for path in tqdm(paths, desc="target hidden states", unit="shard", disable=not progress):
+        data = torch.load(path, weights_only=True)
+        width = int(data["lengths"].max())
+        tokens = data["tokens"][:, :width].long()
+        parts = []
+        for lo in range(0, tokens.shape[0], batch_size):
+            batch = tokens[lo : lo + batch_size].to(device)
+            out = target(input_ids=batch, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            parts.append(out.hidden_states[-1].to("cpu", torch.float16))
+        destination = hidden_shard_path(path)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tmp = destination.with_suffix(".tmp")
+        torch.save(torch.cat(parts), tmp)
+        tmp.replace(destination)
+        done += int(data["lengths"].sum())
+    if paths:
+        log(f"target hidden states: {done} tokens in {len(paths)} shards, {time.monotonic() - started:.0f}s")
+    return done
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,9 @@ class DistillConfig:
     weights_dtype: str = "bfloat16"
     head_tokens: int = 8192  # 0 < N < vocab: the draft head keeps only N tokens (most target mass)
     init_from: str | None = None  # a draft artifact to start from instead of target layers
+    # "tokens": a small LM over tokens; "target_hidden": reads the target's hidden states (EAGLE-style)
+    conditioning: str = "tokens"
+    hidden_loss_weight: float = 0.2  # target_hidden: weight of smooth-L1(draft state, target state)
     extra: dict = field(default_factory=dict)
 
 
@@ -65,7 +68,7 @@ def default_names(cfg: DistillConfig) -> tuple[Path, Path]:
 
     key = ALIASES.get(cfg.target.lower(), cfg.target.lower())
     short = key if key in PACKAGED_MODELS else Path(cfg.target.rstrip("/")).stem or "target"
-    name = f"{short}-{cfg.num_layers}l"
+    name = f"{short}-{cfg.num_layers}l" + ("-hidden" if cfg.conditioning == "target_hidden" else "")
     out = Path(cfg.out) if cfg.out else Path("drafts") / name
     work = Path(cfg.work_dir) if cfg.work_dir else Path(".run") / "distill" / name
     return out, work
@@ -148,7 +151,8 @@ class Batches:
 
 
 def collate(shards, rows):
-    """-> tokens [B, W] long, valid [B, W] bool, topk_ids [B, W, k] long, topk_probs [B, W, k] float."""
+    """-> tokens [B, W] long, valid [B, W] bool, topk_ids [B, W, k] long, topk_probs [B, W, k] float,
+    hidden [B, W, H] float (the target's hidden states; None unless the shards carry them)."""
     lengths = [int(s.lengths[r]) for s, r in zip(shards, rows)]
     width = max(lengths)
     k = shards[0].topk_ids.shape[-1]
@@ -162,23 +166,46 @@ def collate(shards, rows):
         valid[i, s.first_label(r) : n - 1] = True
         ids[i, : n - 1] = s.topk_ids[r, : n - 1].long()
         probs[i, : n - 1] = s.topk_probs[r, : n - 1].float()
-    return tokens, valid, ids, probs
+    hidden = None
+    if shards[0].hidden is not None:
+        hidden = torch.zeros(len(rows), width, shards[0].hidden.shape[-1], dtype=torch.float32)
+        for i, (s, r) in enumerate(zip(shards, rows)):
+            hidden[i, : lengths[i]] = s.hidden[r, : lengths[i]].float()
+    return tokens, valid, ids, probs, hidden
 
 
-def draft_logits_at(draft, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def draft_logits_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hidden=None) -> torch.Tensor:
     """Draft logits at the valid positions only: the head runs on no padding.
 
     [N, V] for a full head; [N, S + 1] for a vocabulary-subset head (its S columns, then a
     -inf column that `label_columns` maps every other token to).
+    target_hidden [B, W, H]: the target's states, for a draft that reads them.
     """
-    from specdec.draft_artifact import VocabSubsetHead
+    return draft_outputs_at(draft, tokens, valid, target_hidden)[0]
 
-    hidden = draft.model(input_ids=tokens, use_cache=False).last_hidden_state[valid]
+
+def draft_outputs_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hidden=None):
+    """(`draft_logits_at`'s logits, the draft's final hidden states [N, H] at the valid positions).
+
+    A draft that reads the target's states is fed, at position t, the target's state at t - 1
+    (zeros at 0): the label at t is the law the target computed from its state at t, which the
+    draft's own state there learns to match.
+    """
+    from specdec.draft_artifact import VocabSubsetHead, fused_inputs, needs_target_hidden
+
+    if needs_target_hidden(draft):
+        if target_hidden is None:
+            raise ValueError("this draft reads the target's hidden states: the label cache has none")
+        fed = torch.cat([torch.zeros_like(target_hidden[:, :1]), target_hidden[:, :-1]], dim=1)
+        states = draft.model(inputs_embeds=fused_inputs(draft, tokens, fed), use_cache=False).last_hidden_state
+    else:
+        states = draft.model(input_ids=tokens, use_cache=False).last_hidden_state
+    hidden = states[valid]
     head = draft.get_output_embeddings()
     if isinstance(head, VocabSubsetHead):
         sub = head.subset_logits(hidden)
-        return torch.cat([sub, sub.new_full((sub.shape[0], 1), float("-inf"))], dim=-1)
-    return head(hidden)
+        return torch.cat([sub, sub.new_full((sub.shape[0], 1), float("-inf"))], dim=-1), hidden
+    return head(hidden), hidden
 
 
 def label_columns(draft, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -212,10 +239,11 @@ def evaluate(draft, shards, device, batch_size: int = 8, autocast=None) -> dict[
     pairs = [(s, r) for s in shards for r in range(s.tokens.shape[0]) if int(s.lengths[r]) - 1 > s.first_label(r)]
     for lo in range(0, len(pairs), batch_size):
         chunk = pairs[lo : lo + batch_size]
-        tokens, valid, ids, probs = collate([s for s, _ in chunk], [r for _, r in chunk])
+        tokens, valid, ids, probs, hidden = collate([s for s, _ in chunk], [r for _, r in chunk])
         tokens, valid = tokens.to(device), valid.to(device)
+        hidden = hidden.to(device) if hidden is not None else None
         with autocast():
-            logits = draft_logits_at(draft, tokens, valid)
+            logits = draft_logits_at(draft, tokens, valid, hidden)
         m = topk_metrics(logits, label_columns(draft, ids.to(device)[valid]), probs.to(device)[valid])
         totals["alpha"] += m["alpha"] * m["positions"]
         totals["greedy"] += m["greedy"] * m["positions"]
@@ -265,8 +293,9 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     from tqdm.auto import tqdm
 
     from specdec.distill import data
-    from specdec.distill.labels import build_cache, load_shards
+    from specdec.distill.labels import build_cache, build_hidden_cache, load_shards
     from specdec.draft_artifact import (
+        CONDITIONING_TARGET_HIDDEN,
         apply_head_subset,
         build_draft,
         freeze_shared,
@@ -358,8 +387,11 @@ def distill(cfg: DistillConfig, log=print) -> dict:
             log("label time budget reached")
             break
     label_seconds = time.monotonic() - label_started
-    heldout = load_shards(cache_dir, ("heldout",))
-    train_shards = load_shards(cache_dir, ("chat", "text"))
+    reads_hidden = cfg.conditioning == CONDITIONING_TARGET_HIDDEN
+    if reads_hidden:
+        build_hidden_cache(cache_dir, target, progress=cfg.progress, log=log)
+    heldout = load_shards(cache_dir, ("heldout",), with_hidden=reads_hidden)
+    train_shards = load_shards(cache_dir, ("chat", "text"), with_hidden=reads_hidden)
     n_train_labels = sum(s.label_count for s in train_shards)
     log(
         f"label cache: {n_train_labels} training positions in {len(train_shards)} shards, "
@@ -382,6 +414,10 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         init_layers = [int(i) for i in manifest.get("init_layers") or range(cfg.num_layers)]
     elif cfg.init_layers:
         init_layers = list(cfg.init_layers)
+    elif reads_hidden:
+        # Its input is (close to) the target's last state: start from the layers that read such states.
+        n_target = int(target.config.num_hidden_layers)
+        init_layers = list(range(n_target - cfg.num_layers, n_target))
     else:
         best = None
         for cand in init_candidates(cfg.num_layers, int(target.config.num_hidden_layers)):
@@ -392,7 +428,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
                 best = (m["alpha"], cand)
             del trial
         init_layers = best[1]
-    draft = build_draft(target, cfg.num_layers, init_layers)
+    draft = build_draft(target, cfg.num_layers, init_layers, cfg.conditioning)
     if state is None and cfg.init_from:
         load_draft_weights(draft, cfg.init_from)  # also takes the artifact's head subset, if any
         log(f"starting from the layers of {cfg.init_from}")
@@ -437,6 +473,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
             "heldout_positions": metrics["positions"],
             "init_layers": init_layers,
             "init_from": cfg.init_from,
+            "conditioning": cfg.conditioning,
             "head_tokens": None if head_token_ids(draft) is None else int(head_token_ids(draft).numel()),
             "device": str(device),
             "threads": torch.get_num_threads(),
@@ -494,11 +531,15 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         time_fraction = (time.monotonic() - run_started) / cfg.max_seconds if cfg.max_seconds else 0.0
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, time_fraction)
-        tokens, valid, ids, probs = batches.batch(step)
+        tokens, valid, ids, probs, hidden = batches.batch(step)
         tokens, valid = tokens.to(device), valid.to(device)
+        hidden = hidden.to(device) if hidden is not None else None
         with autocast():
-            logits = draft_logits_at(draft, tokens, valid)
+            logits, states = draft_outputs_at(draft, tokens, valid, hidden)
         loss = topk_kl(logits, label_columns(draft, ids.to(device)[valid]), probs.to(device)[valid]).mean()
+        if hidden is not None and cfg.hidden_loss_weight:
+            # Also match the target's state itself: steps 2..K feed the draft's own state back in.
+            loss = loss + cfg.hidden_loss_weight * torch.nn.functional.smooth_l1_loss(states.float(), hidden[valid])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:

@@ -195,3 +195,51 @@ def test_distill_with_a_vocabulary_subset_head(tiny_target, tmp_path):
     )
     assert third["head_tokens"] == 5 and third["init_from"] == str(artifact)
     assert any("starting from the layers of" in line for line in logs)
+
+
+def test_distill_a_draft_that_reads_the_target_hidden_states(tiny_target, tmp_path):
+    """conditioning=target_hidden: a hidden-state cache, training that lowers the loss, an
+    artifact the draft service serves as such, and training and serving feeding it alike."""
+    from draft_service.settings import DraftSettings
+    from specdec.distill.evaluate import eval_draft, hidden_agreement
+    from specdec.distill.labels import hidden_shard_path, load_shards
+    from specdec.distill.train import collate, distill, draft_logits_at
+    from specdec.draft_artifact import load_draft_artifact
+    from specdec.models import load_causal_lm
+    from specdec.serving import load_model
+    from specdec.settings import load_settings
+
+    logs: list[str] = []
+    cfg = _config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", lr=1e-2)
+    first = distill(cfg, log=logs.append)
+    evals = [h for h in first["history"] if "alpha" in h]
+    assert evals[-1]["kl"] < 0.8 * evals[0]["kl"] and first["best_heldout_alpha_topk"] > evals[0]["alpha"]
+    labels = sorted((tmp_path / "work" / "labels").glob("*.pt"))
+    assert labels and all(hidden_shard_path(p).exists() for p in labels)
+
+    loaded = load_model(load_settings(DraftSettings, [], {}, model=str(tmp_path / "draft")), "draft")
+    assert loaded.info.needs_target_hidden_states and loaded.runner.model.config.num_hidden_layers == 1
+
+    # The training forward and the serving path (ModelRunner, as eval-draft runs it) agree.
+    target, _ = load_causal_lm(str(tiny_target))
+    draft = load_draft_artifact(tmp_path / "draft", target_model=target)
+    shard = load_shards(tmp_path / "work" / "labels", ("heldout",), with_hidden=True)[0]
+    tokens, valid, _, _, hidden = collate([shard], [0])
+    n = int(shard.lengths[0])
+    start = shard.first_label(0)
+    with torch.no_grad():
+        trained_view = torch.softmax(draft_logits_at(draft, tokens, valid, hidden), -1)
+    target_view = torch.softmax(target(input_ids=tokens[:, :n]).logits[0, start : n - 1], -1)
+    train_alpha = torch.minimum(trained_view, target_view).sum(-1)
+    served_alpha, _, later = hidden_agreement(draft, target, tokens[0, :n].tolist(), start, 1.0)
+    torch.testing.assert_close(torch.tensor(served_alpha), train_alpha, rtol=1e-3, atol=1e-3)
+    assert len(later) == len(served_alpha) - 1
+
+    report = eval_draft(str(tmp_path / "draft"), str(tiny_target), prompts=2, max_new_tokens=8, timing_steps=3,
+                        log=lambda _: None)
+    assert 0 < report["alpha"] <= 1 and report["alpha_later_steps"] is not None and report["c"] > 0
+
+    # Resume keeps the fuse: the step-30 evaluation is reproduced, and training continues.
+    second = distill(_config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", lr=1e-2, steps=40,
+                             resume=True), log=logs.append)
+    assert second["steps"] == 40 and second["conditioning"] == "target_hidden"
