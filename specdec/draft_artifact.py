@@ -201,6 +201,15 @@ def add_hidden_fuse(draft) -> None:
     draft.config.specdec_conditioning = CONDITIONING_TARGET_HIDDEN
 
 
+def _fuse_passes_embedding(draft) -> None:
+    fuse = getattr(draft, HIDDEN_FUSE)
+    hidden = int(draft.config.hidden_size)
+    with torch.no_grad():
+        fuse.weight.zero_()
+        fuse.weight[:, hidden:].copy_(torch.eye(hidden))
+        fuse.bias.zero_()
+
+
 def needs_target_hidden(model) -> bool:
     """True for a draft conditioned on the target's hidden states."""
     return isinstance(getattr(model, HIDDEN_FUSE, None), torch.nn.Module)
@@ -269,7 +278,12 @@ def save_draft_artifact(
 
 
 def load_draft_weights(draft, directory: str | Path, manifest: dict | None = None) -> None:
-    """Copy the artifact's layers into `draft` (and switch to its vocabulary-subset head, if any)."""
+    """Copy the artifact's layers into `draft` (and switch to its vocabulary-subset head, if any).
+
+    A tokens-only artifact loads into a draft that reads hidden states too (continued training):
+    its fuse is then set to pass the embedding through and ignore the states, so the draft starts
+    out exactly as the artifact and training teaches it to use them.
+    """
     from safetensors.torch import load_file
 
     manifest = manifest or read_manifest(directory)
@@ -281,6 +295,9 @@ def load_draft_weights(draft, directory: str | Path, manifest: dict | None = Non
     if subset is not None and head_token_ids(draft) is None:
         apply_head_subset(draft, subset)
     expected = set(trained_state(draft))
+    if needs_target_hidden(draft) and not any(name.startswith(HIDDEN_FUSE + ".") for name in tensors):
+        expected = {name for name in expected if not name.startswith(HIDDEN_FUSE + ".")}
+        _fuse_passes_embedding(draft)
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise DraftArtifactError(f"{path}: missing {missing[:4]}, unexpected {extra[:4]}")

@@ -98,8 +98,16 @@ def sample_continuation(model, prompt_ids: list[int], max_new_tokens: int, tempe
 
 @torch.inference_mode()
 def agreement(draft, target, token_ids: list[int], start: int, temperature: float) -> tuple[list[float], list[bool]]:
-    """Per position t in [start, len - 1): alpha of the laws for token t + 1, and greedy agreement."""
+    """Per position t in [start, len - 1): alpha of the laws for token t + 1, and greedy agreement.
+
+    A draft that reads the target's hidden states is run as `hidden_agreement` does (first step).
+    """
+    from specdec.draft_artifact import needs_target_hidden
     from specdec.sampling import Sampling, warp_logits
+
+    if needs_target_hidden(draft):
+        first, greedy, _ = hidden_agreement(draft, target, token_ids, start, temperature)
+        return first, greedy
 
     x = torch.tensor([token_ids])
     keep = len(token_ids) - start

@@ -243,3 +243,24 @@ def test_distill_a_draft_that_reads_the_target_hidden_states(tiny_target, tmp_pa
     second = distill(_config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", lr=1e-2, steps=40,
                              resume=True), log=logs.append)
     assert second["steps"] == 40 and second["conditioning"] == "target_hidden"
+
+
+def test_a_tokens_draft_continues_as_a_hidden_state_draft_from_where_it_was(tiny_target, tmp_path):
+    """--init-from a tokens-only artifact with conditioning=target_hidden: the fuse starts by
+    ignoring the states, so step 0 scores exactly what the artifact scored."""
+    from specdec.distill.labels import load_shards
+    from specdec.distill.train import distill, evaluate
+    from specdec.draft_artifact import build_draft, save_draft_artifact
+    from specdec.models import load_causal_lm
+
+    target, _ = load_causal_lm(str(tiny_target))
+    tokens_draft = build_draft(target, 1, [2])
+    save_draft_artifact(tmp_path / "tokens", tokens_draft, str(tiny_target), [2], weights_dtype=torch.float32)
+    result = distill(
+        _config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", init_from=str(tmp_path / "tokens"),
+                steps=0, head_tokens=0),
+        log=lambda _: None,
+    )
+    heldout = load_shards(tmp_path / "work" / "labels", ("heldout",))
+    before = evaluate(tokens_draft, heldout, torch.device("cpu"), autocast=lambda: torch.autocast("cpu", enabled=False))
+    assert result["heldout_alpha_topk"] == pytest.approx(before["alpha"], abs=1e-4)
