@@ -31,7 +31,7 @@ class CoordinatorSettings:
     verify_timeout_s: float = setting(60.0, "VERIFY_TIMEOUT_S", "deadline of one Verify call")
     info_timeout_s: float = setting(10.0, "INFO_TIMEOUT_S", "deadline of one Info call")
     # 2 is best for the shipped pair (alpha ~0.3, c ~0.23; docs/drafts.md); tune it to your pair.
-    default_num_speculative_tokens: int = setting(2, "DEFAULT_K", "K when a request does not set it")
+    default_num_speculative_tokens: int = setting(1, "DEFAULT_K", "K when a request does not set it")
     max_num_speculative_tokens: int = setting(16, "MAX_K", "largest K a request may ask for")
     default_max_new_tokens: int = setting(
         128, "DEFAULT_MAX_NEW_TOKENS", "max_new_tokens when a request does not set it"

@@ -1,7 +1,9 @@
-"""The shipped default draft: loads, shares the target's tokenizer, and still agrees with the target.
+"""The shipped drafts: load, share the target's tokenizer, and still agree with the target.
 
-A regression guard, not the issue's alpha target: the floor sits well below the measured value
-(see drafts/*/MODEL_CARD.md) and well above what the untrained initialisation reaches (~0.07).
+The default of `make run` (2 layers that read the target's hidden states) and the tokens-only
+draft it was continued from. A regression guard, not the issue's alpha target: the floor sits
+well below the measured values (see drafts/*/MODEL_CARD.md) and well above what an untrained
+initialisation reaches (~0.07).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DRAFT = ROOT / "drafts" / "smollm2-135m-instruct-2l"
+DRAFTS = [ROOT / "drafts" / "smollm2-135m-instruct-2l-hidden", ROOT / "drafts" / "smollm2-135m-instruct-2l"]
 TARGET = "smollm2-135m-instruct"
 PROMPTS = ["Explain in two sentences why the sky is blue.", "Write a short poem about the sea."]
 ALPHA_FLOOR = 0.15  # temperature 1, target samples of 48 tokens for PROMPTS, seeds 0 and 1
@@ -21,18 +23,42 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pair():
-    from specdec.draft_artifact import load_draft_artifact
+def target():
     from specdec.models import ModelSourceError, load_causal_lm
 
     try:
-        target, _ = load_causal_lm(TARGET)
+        model, _ = load_causal_lm(TARGET)
     except ModelSourceError as exc:
         pytest.skip(str(exc))
+    return model
+
+
+@pytest.fixture(scope="module", params=DRAFTS, ids=lambda path: path.name)
+def DRAFT(request):  # noqa: N802 - the artifact directory under test
+    return request.param
+
+
+@pytest.fixture()
+def pair(DRAFT, target):  # noqa: N803
+    from specdec.draft_artifact import load_draft_artifact
+
     return load_draft_artifact(DRAFT, target_model=target), target
 
 
-def test_artifact_is_small_and_names_the_default_target():
+def test_make_run_serves_the_hidden_state_draft():
+    import importlib.util
+
+    from specdec.draft_artifact import read_manifest
+
+    spec = importlib.util.spec_from_file_location("stack", ROOT / "scripts" / "stack.py")
+    stack = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stack)
+
+    assert stack.DEFAULT_DRAFT == DRAFTS[0] and stack.DEFAULT_TARGET == TARGET
+    assert read_manifest(DRAFTS[0])["conditioning"] == "target_hidden"
+
+
+def test_artifact_is_small_and_names_the_default_target(DRAFT):  # noqa: N803
     from specdec.draft_artifact import artifact_target, read_manifest
     from specdec.models import DRAFT_ARTIFACT_MARKER
 
@@ -43,7 +69,7 @@ def test_artifact_is_small_and_names_the_default_target():
     assert (DRAFT / "MODEL_CARD.md").is_file()
 
 
-def test_draft_loads_through_the_model_loader_and_shares_the_tokenizer():
+def test_draft_loads_through_the_model_loader_and_shares_the_tokenizer(DRAFT):  # noqa: N803
     from specdec.models import load_causal_lm, load_tokenizer, tokenizer_fingerprint
 
     draft_tok, target_tok = load_tokenizer(str(DRAFT)), load_tokenizer(TARGET)
