@@ -244,6 +244,11 @@ class SpeculativeEngine:
         Verify returns it).
         """
         n = len(sample.context)  # called before the round's tokens are appended
+        if not verification.HasField("hidden_states"):
+            raise ServiceError(
+                "the target returned no hidden states, which this draft reads: the target service "
+                "must support VerifySequence.hidden_states_from"
+            )
         try:
             rows = decode_probs(verification.hidden_states)
         except ValueError as exc:

@@ -216,3 +216,14 @@ def test_each_propose_carries_the_targets_states_for_its_whole_prefix(hidden_sta
     assert checked >= len(target.requests) - 2 and len(target.requests[0].sequences[0].draft_token_ids) == 0
     draft.client.close()
     target.client.close()
+
+
+def test_a_target_that_returns_no_states_is_a_clear_error():
+    from coordinator.generation import Sample, SpeculativeEngine
+    from specdec.errors import ServiceError
+    from specdec.v1 import target_pb2
+
+    sample = Sample(index=0, context=[3, 1, 4])
+    with pytest.raises(ServiceError, match="returned no hidden states"):
+        SpeculativeEngine._keep_hidden(sample, target_pb2.Verification(), known=0, k=0, accepted=0)
+    assert sample.target_hidden is None
