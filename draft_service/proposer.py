@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.draft_artifact import fed_hidden
 from specdec.runner import ModelRunner
 from specdec.sampling import Sampling, normalize, sample_token, to_wire, warp_logits
 
@@ -40,9 +41,8 @@ def _draw(probs_wire: np.ndarray, uniform: float) -> int:
 
 
 def _fed_hidden(request: DraftRequest) -> torch.Tensor:
-    """[len(prefix), H]: row t is what position t reads, the target's state at t - 1 (zeros at 0)."""
-    target_hidden = torch.from_numpy(np.asarray(request.target_hidden, dtype=np.float32))
-    return torch.cat([target_hidden.new_zeros((1, target_hidden.shape[1])), target_hidden])
+    """[len(prefix), H]: what each prefix position reads (`draft_artifact.fed_hidden`)."""
+    return fed_hidden(torch.from_numpy(np.asarray(request.target_hidden, dtype=np.float32)))
 
 
 def propose(runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling) -> list[DraftProposal]:

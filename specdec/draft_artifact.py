@@ -198,7 +198,6 @@ def add_hidden_fuse(draft) -> None:
         fuse.bias.zero_()
     param = next(draft.parameters())
     setattr(draft, HIDDEN_FUSE, fuse.to(device=param.device, dtype=param.dtype))
-    draft.config.specdec_conditioning = CONDITIONING_TARGET_HIDDEN
 
 
 def _fuse_passes_embedding(draft) -> None:
@@ -215,11 +214,20 @@ def needs_target_hidden(model) -> bool:
     return isinstance(getattr(model, HIDDEN_FUSE, None), torch.nn.Module)
 
 
+def fed_hidden(previous: torch.Tensor) -> torch.Tensor:
+    """What each position of a hidden-state draft reads, from the target's states before it.
+
+    previous: [..., T - 1, H], the target's final hidden states at positions 0..T-2.
+    Returns [..., T, H]: row t is the state at t - 1, zeros at position 0.
+    """
+    zeros = previous.new_zeros((*previous.shape[:-2], 1, previous.shape[-1]))
+    return torch.cat([zeros, previous], dim=-2)
+
+
 def fused_inputs(model, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
     """The input embeddings of a hidden-state-conditioned draft.
 
-    token_ids: [B, T]; prev_hidden: [B, T, H], row t the target's final hidden state at
-    position t - 1 (zeros at position 0). Returns [B, T, H].
+    token_ids: [B, T]; prev_hidden: [B, T, H] from `fed_hidden`. Returns [B, T, H].
     """
     embeds = model.get_input_embeddings()(token_ids)
     fuse = getattr(model, HIDDEN_FUSE)

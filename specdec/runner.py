@@ -198,10 +198,6 @@ class ModelRunner:
                 self.cache.put(session_id, entry)
             return LogitsResult(logits, reuse, hidden)
 
-    def batch_last_logits(self, sequences: Sequence[Sequence[int]], num_last: Sequence[int]) -> list[torch.Tensor]:
-        """Independent sequences in one left-padded forward, no cache. Returns [num_last_i, V] each."""
-        return [r.logits for r in self.batch_forward(sequences, num_last)]
-
     @torch.inference_mode()
     def batch_forward(
         self,
@@ -210,8 +206,8 @@ class ModelRunner:
         hidden_from: Sequence[int] | None = None,
         input_hidden: Sequence[torch.Tensor] | None = None,
     ) -> list[LogitsResult]:
-        """Independent sequences in one left-padded forward, no cache; `last_logits` per row
-        (hidden_from / input_hidden as there, one entry per sequence)."""
+        """Independent sequences in one left-padded forward, no cache: `last_logits` per row, with
+        logits [num_last_i, V] (hidden_from / input_hidden as there, one entry per sequence)."""
         lengths = [len(s) for s in sequences]
         width = max(lengths)
         pad = 0

@@ -131,6 +131,7 @@ def hidden_agreement(
     up to t - 1), greedy agreement, and alpha of a second step at t + 1, fed the draft's own
     state at t (what the draft does for x_2..x_K, before the target has seen x_1).
     """
+    from specdec.draft_artifact import fed_hidden
     from specdec.runner import ModelRunner, SessionKVCache
     from specdec.sampling import Sampling, warp_logits
 
@@ -140,7 +141,7 @@ def hidden_agreement(
     lp = out.logits[0].float()
     # float16, as the states travel on the wire.
     states = out.hidden_states[-1][0].to(torch.float16).float()
-    fed = torch.cat([states.new_zeros((1, states.shape[1])), states[:-1]])
+    fed = fed_hidden(states[:-1])
     runner = ModelRunner(draft, SessionKVCache(max_entries=1, max_tokens=1_000_000))
 
     def law(logits):
@@ -196,6 +197,7 @@ def eval_draft(
     log=print,
 ) -> dict:
     from specdec.distill.data import chat_token_ids, heldout_prompts
+    from specdec.draft_artifact import needs_target_hidden
     from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 
     if threads:
@@ -207,8 +209,6 @@ def eval_draft(
     draft_model, target_model = _load_pair(draft, target, log)
     eos = eos_token_ids(target_model, tokenizer)
     texts = prompt_texts or heldout_prompts(prompts)
-    from specdec.draft_artifact import needs_target_hidden
-
     reads_hidden = needs_target_hidden(draft_model)
     alphas: list[float] = []
     greedy: list[bool] = []

@@ -68,7 +68,9 @@ def default_names(cfg: DistillConfig) -> tuple[Path, Path]:
 
     key = ALIASES.get(cfg.target.lower(), cfg.target.lower())
     short = key if key in PACKAGED_MODELS else Path(cfg.target.rstrip("/")).stem or "target"
-    name = f"{short}-{cfg.num_layers}l" + ("-hidden" if cfg.conditioning == "target_hidden" else "")
+    from specdec.draft_artifact import CONDITIONING_TARGET_HIDDEN
+
+    name = f"{short}-{cfg.num_layers}l" + ("-hidden" if cfg.conditioning == CONDITIONING_TARGET_HIDDEN else "")
     out = Path(cfg.out) if cfg.out else Path("drafts") / name
     work = Path(cfg.work_dir) if cfg.work_dir else Path(".run") / "distill" / name
     return out, work
@@ -191,12 +193,12 @@ def draft_outputs_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hi
     (zeros at 0): the label at t is the law the target computed from its state at t, which the
     draft's own state there learns to match.
     """
-    from specdec.draft_artifact import VocabSubsetHead, fused_inputs, needs_target_hidden
+    from specdec.draft_artifact import VocabSubsetHead, fed_hidden, fused_inputs, needs_target_hidden
 
     if needs_target_hidden(draft):
         if target_hidden is None:
             raise ValueError("this draft reads the target's hidden states: the label cache has none")
-        fed = torch.cat([torch.zeros_like(target_hidden[:, :1]), target_hidden[:, :-1]], dim=1)
+        fed = fed_hidden(target_hidden[:, :-1])
         states = draft.model(inputs_embeds=fused_inputs(draft, tokens, fed), use_cache=False).last_hidden_state
     else:
         states = draft.model(input_ids=tokens, use_cache=False).last_hidden_state

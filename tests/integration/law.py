@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,6 +74,31 @@ def samples_to_detect(tv: float, bins: int, significance: float, power: float) -
         else:
             low = mid + 1
     return low
+
+
+@dataclass(frozen=True)
+class LawFit:
+    """A chi-square fit of pipeline samples to the exact law, with its one-line summary."""
+
+    p_value: float
+    needed: int  # samples needed to detect TV 0.05 at power 0.9
+    acceptance: float  # alpha-hat: accepted / examined positions (drafts after a rejection are never examined)
+    summary: str
+
+
+def fit_to_law(name: str, counts: np.ndarray, law: np.ndarray, significance: float,
+               drafted: int, accepted: int, recovered: int) -> LawFit:
+    statistic, p_value, bins = chi_square_fit(counts, law)
+    needed = samples_to_detect(tv=0.05, bins=bins, significance=significance, power=0.9)
+    total = int(counts.sum())
+    acceptance = accepted / max(1, accepted + recovered)
+    summary = (
+        f"{name}: n={total} bins={bins} chi2={statistic:.1f} p={p_value:.4f} "
+        f"drafted={drafted} accepted={accepted} rejections={recovered} alpha-hat={acceptance:.3f} "
+        f"(n for TV 0.05 at power 0.9: {needed})"
+    )
+    print(summary)
+    return LawFit(p_value, needed, acceptance, summary)
 
 
 def all_sequences(vocab: int, length: int):

@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 import pytest
-from law import chi_square_fit, exact_sequence_law, sample_counts, samples_to_detect
+from law import chi_square_fit, exact_sequence_law, fit_to_law, sample_counts, samples_to_detect
 
 from specdec.client import build_request
 from specdec.sampling import Sampling
@@ -42,23 +42,14 @@ def test_pipeline_samples_follow_target_law(
     counts, drafted, accepted, recovered = sample_counts(
         coordinator_stub, PROMPT, LENGTH, k, sampling, total, max_new_tokens, seed=zlib.crc32(case_id.encode()) % 997
     )
-    statistic, p_value, bins = chi_square_fit(counts, law)
-    needed = samples_to_detect(tv=0.05, bins=bins, significance=SIGNIFICANCE, power=0.9)
-    # alpha-hat: accepted / examined positions (drafts after a rejection are never examined).
-    acceptance = accepted / (accepted + recovered)
-    summary = (
-        f"{case_id}: n={total} bins={bins} chi2={statistic:.1f} p={p_value:.4f} "
-        f"drafted={drafted} accepted={accepted} rejections={recovered} alpha-hat={acceptance:.3f} "
-        f"(n for TV 0.05 at power 0.9: {needed})"
-    )
-    print(summary)
-    record_property("summary", summary)
+    fit = fit_to_law(case_id, counts, law, SIGNIFICANCE, drafted, accepted, recovered)
+    record_property("summary", fit.summary)
     # The experiment must be able to see what it claims to rule out.
-    assert total >= needed, summary
+    assert total >= fit.needed, fit.summary
     # The pair must disagree, or the residual path is never exercised.
-    assert 0.2 <= acceptance <= 0.7, summary
-    assert recovered > total * 0.1, summary
-    assert p_value > SIGNIFICANCE, summary
+    assert 0.2 <= fit.acceptance <= 0.7, fit.summary
+    assert recovered > total * 0.1, fit.summary
+    assert fit.p_value > SIGNIFICANCE, fit.summary
 
 
 def test_single_sequence_path_with_kv_cache_follows_target_law(coordinator_stub, tiny_loaded, record_property):

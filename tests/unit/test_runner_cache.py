@@ -69,6 +69,6 @@ def test_batched_left_padded_logits_match_single(tiny_loaded):
     model = tiny_loaded["target"].runner.model
     runner = ModelRunner(model, SessionKVCache(max_entries=0, max_tokens=0))
     sequences = [[1, 2, 3], [4, 5, 6, 7, 1, 2], [3]]
-    outputs = runner.batch_last_logits(sequences, [2, 3, 1])
+    outputs = [r.logits for r in runner.batch_forward(sequences, [2, 3, 1])]
     for seq, n, out in zip(sequences, [2, 3, 1], outputs, strict=True):
         torch.testing.assert_close(out, _full_logits(model, seq, n), atol=1e-5, rtol=1e-5)
