@@ -6,7 +6,7 @@ import sys
 
 from coordinator.server import create_server
 from coordinator.settings import CoordinatorSettings
-from specdec.serving import configure_logging, serve_until_signal
+from specdec.rpc.server import configure_logging, serve_until_signal
 from specdec.settings import load_settings
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from specdec.errors import Aborted, NotFound, Unavailable
+from specdec.core.errors import Aborted, NotFound, Unavailable
 
 _SAVE_IF_OWNER = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end

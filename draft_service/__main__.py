@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from specdec.openmp_env import set_openmp_defaults
+from specdec.models.openmp_env import set_openmp_defaults
 
 set_openmp_defaults()  # before anything imports torch
 
 from draft_service.server import create_server
 from draft_service.settings import DraftSettings
-from specdec.serving import configure_logging, serve_until_signal
+from specdec.rpc.server import configure_logging, serve_until_signal
 from specdec.settings import load_settings
 
 

@@ -1,33 +1,21 @@
-"""Domain logic of the draft: sample K tokens autoregressively, keeping each law q_i."""
+"""Domain logic of the draft: sample K tokens autoregressively, keeping each law q_i.
+
+`propose` is what the draft service runs; `LocalDrafter` is the same function as the engine's
+Drafter in one process (no server).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specdec.draft_artifact import fed_hidden
-from specdec.runner import ModelRunner
-from specdec.sampling import Sampling, normalize, sample_token, to_wire, warp_logits
-
-
-@dataclass(frozen=True)
-class DraftRequest:
-    session_id: str
-    prefix_token_ids: list[int]
-    num_draft_tokens: int
-    seed: int
-    # [len(prefix) - 1, H]: the target's final hidden states, for a draft conditioned on them.
-    target_hidden: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class DraftProposal:
-    draft_token_ids: list[int]
-    draft_probs: np.ndarray  # [K, V] float32: exactly the law each token was drawn from
-    cached_tokens: int
+from specdec.core.protocols import Deadline, DraftProposal, DraftRequest
+from specdec.core.sampling import Sampling, normalize, sample_token
+from specdec.models.draft_artifact import fed_hidden
+from specdec.models.runner import ModelRunner
+from specdec.models.warping import to_wire, warp_logits
 
 
 def _uniforms(seed: int, count: int) -> np.ndarray:
@@ -64,7 +52,7 @@ def _propose_cached(runner: ModelRunner, request: DraftRequest, sampling: Sampli
     exact_len = len(request.prefix_token_ids) if fed is not None else None
     for step in range(request.num_draft_tokens):
         result = runner.last_logits(
-            request.session_id, request.prefix_token_ids + tokens, 1, input_hidden=fed, exact_len=exact_len
+            request.cache_key, request.prefix_token_ids + tokens, 1, input_hidden=fed, exact_len=exact_len
         )
         if step == 0:
             cached = result.cached_tokens
@@ -96,3 +84,14 @@ def _propose_batch(runner: ModelRunner, requests: Sequence[DraftRequest], sampli
             if fed is not None:
                 fed[i] = torch.cat([fed[i], results[row].hidden[-1:]])
     return [DraftProposal(tokens[i], np.stack(rows[i]), 0) for i in range(len(requests))]
+
+
+class LocalDrafter:
+    """The engine's Drafter for a model loaded in this process (`specdec generate --in-process`)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def propose(self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
+        deadline.check()
+        return self.runner.on_model_thread(propose, self.runner, list(requests), sampling)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from draft_service.proposer import DraftRequest, propose
+from draft_service.proposer import propose
 from draft_service.settings import DraftSettings
-from specdec.errors import InvalidArgument, grpc_errors
-from specdec.serving import (
+from specdec.core.errors import InvalidArgument
+from specdec.core.protocols import DraftRequest
+from specdec.rpc.errors import grpc_errors
+from specdec.rpc.model_service import (
     GrpcServer,
     LoadedModel,
     ModelServicerBase,
@@ -16,8 +18,8 @@ from specdec.serving import (
     validate_sequence_count,
     validate_token_ids,
 )
+from specdec.rpc.wire import decode_probs, propose_response, sampling_from_proto
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.wire import decode_probs, encode_probs, sampling_from_proto
 
 
 class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
@@ -38,7 +40,7 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 )
             validate_length(len(prefix) + seq.num_draft_tokens, runner.max_positions)
             target_hidden = self._target_hidden(seq, len(prefix)) if runner.needs_target_hidden else None
-            parsed.append(DraftRequest(seq.session_id, prefix, seq.num_draft_tokens, seq.seed, target_hidden))
+            parsed.append(DraftRequest(seq.cache_key, prefix, seq.num_draft_tokens, seq.seed, target_hidden))
         return parsed
 
     def _target_hidden(self, seq: draft_pb2.DraftSequence, prefix_len: int):
@@ -66,16 +68,7 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
             raise InvalidArgument(str(exc)) from exc
         runner = self.loaded.runner
         proposals = runner.on_model_thread(propose, runner, self._requests(request), sampling)
-        return draft_pb2.ProposeResponse(
-            proposals=[
-                draft_pb2.Proposal(
-                    draft_token_ids=p.draft_token_ids,
-                    draft_probs=encode_probs(p.draft_probs),
-                    cached_tokens=p.cached_tokens,
-                )
-                for p in proposals
-            ]
-        )
+        return propose_response(proposals)
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802

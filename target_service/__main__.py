@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from specdec.openmp_env import set_openmp_defaults
+from specdec.models.openmp_env import set_openmp_defaults
 
 set_openmp_defaults()  # before anything imports torch
 
-from specdec.serving import configure_logging, serve_until_signal
+from specdec.rpc.server import configure_logging, serve_until_signal
 from specdec.settings import load_settings
 from target_service.server import create_server
 from target_service.settings import TargetSettings

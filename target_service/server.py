@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from specdec.errors import InvalidArgument, grpc_errors
-from specdec.serving import (
+from specdec.core.errors import InvalidArgument
+from specdec.core.protocols import VerifyRequest
+from specdec.rpc.errors import grpc_errors
+from specdec.rpc.model_service import (
     GrpcServer,
     LoadedModel,
     ModelServicerBase,
@@ -12,10 +14,10 @@ from specdec.serving import (
     validate_sequence_count,
     validate_token_ids,
 )
+from specdec.rpc.wire import sampling_from_proto, verify_response
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire import encode_hidden_states, encode_probs, sampling_from_proto
 from target_service.settings import TargetSettings
-from target_service.verifier import VerifyRequest, verify
+from target_service.verifier import verify
 
 
 class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
@@ -37,7 +39,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             hidden_from = seq.hidden_states_from if seq.HasField("hidden_states_from") else None
             if hidden_from is not None and not 0 <= hidden_from < len(prefix):
                 raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
-            parsed.append(VerifyRequest(seq.session_id, prefix, drafts, hidden_from))
+            parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from))
         return parsed
 
     @grpc_errors
@@ -48,16 +50,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             raise InvalidArgument(str(exc)) from exc
         runner = self.loaded.runner
         results = runner.on_model_thread(verify, runner, self._requests(request), sampling)
-        return target_pb2.VerifyResponse(
-            verifications=[
-                target_pb2.Verification(
-                    target_probs=encode_probs(r.target_probs),
-                    cached_tokens=r.cached_tokens,
-                    hidden_states=encode_hidden_states(r.hidden) if r.hidden is not None else None,
-                )
-                for r in results
-            ]
-        )
+        return verify_response(results)
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802

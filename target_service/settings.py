@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.serving import ModelServerSettings
+from specdec.rpc.model_service import ModelServerSettings
 from specdec.settings import setting
 
 

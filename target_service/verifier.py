@@ -1,37 +1,28 @@
-"""Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K."""
+"""Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K.
+
+`verify` is what the target service runs; `LocalVerifier` is the same function as the engine's
+Verifier in one process (no server).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from specdec.runner import ModelRunner
-from specdec.sampling import Sampling, to_wire, warp_logits
-
-
-@dataclass(frozen=True)
-class VerifyRequest:
-    session_id: str
-    prefix_token_ids: list[int]
-    draft_token_ids: list[int]
-    hidden_from: int | None = None  # also return final hidden states from this position on
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    target_probs: np.ndarray  # [K + 1, V] float32
-    cached_tokens: int
-    hidden: np.ndarray | None = None  # [len(prefix) + K - hidden_from, H] float32, when asked
+from specdec.core.protocols import Deadline, VerifyRequest, VerifyResult
+from specdec.core.sampling import Sampling
+from specdec.models.runner import ModelRunner
+from specdec.models.warping import to_wire, warp_logits
 
 
 def verify(runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling) -> list[VerifyResult]:
     if len(requests) == 1:
         request = requests[0]
         result = runner.last_logits(
-            request.session_id,
+            request.cache_key,
             request.prefix_token_ids + request.draft_token_ids,
             len(request.draft_token_ids) + 1,
             hidden_from=request.hidden_from,
@@ -55,3 +46,17 @@ def verify(runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sam
         )
         for i, request in enumerate(requests)
     ]
+
+
+class LocalVerifier:
+    """The engine's Verifier for a model loaded in this process (`specdec generate --in-process`)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
+        deadline.check()
+        results = self.runner.on_model_thread(verify, self.runner, list(requests), sampling)
+        # Hidden states as the wire carries them (float16), so a hidden-state draft reads the
+        # same numbers in both modes.
+        return [r if r.hidden is None else replace(r, hidden=r.hidden.astype(np.float16)) for r in results]

@@ -47,7 +47,7 @@ def tiny_model_dirs(tmp_path_factory):
 def tiny_loaded(tiny_model_dirs):
     """LoadedModel for the tiny draft and target, loaded once per test session."""
     from draft_service.settings import DraftSettings
-    from specdec.serving import load_model
+    from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 

@@ -30,7 +30,7 @@ def start_stack(loaded, tokenizer_dir: str, redis_url: str, draft_loaded=None, *
     from coordinator.settings import CoordinatorSettings
     from draft_service.server import create_server as create_draft
     from draft_service.settings import DraftSettings
-    from specdec.models import load_tokenizer
+    from specdec.models.sources import load_tokenizer
     from specdec.settings import load_settings
     from target_service.server import create_server as create_target
     from target_service.settings import TargetSettings

@@ -3,7 +3,7 @@
   alpha   E[sum_x min(p(x), q(x))] over the positions of target samples for held-out chat prompts,
           p and q warped by the project's warp_logits at the given temperature (exact, full vocab)
   greedy  how often argmax q == argmax p at those positions
-  c       one cached decode step of the draft / one of the target, through specdec.runner.ModelRunner
+  c       one cached decode step of the draft / one of the target, through specdec.models.runner.ModelRunner
           (the code path the model services run), median over `timing_steps` steps
   bound   Leviathan et al.: expected tokens per round (1 - alpha^(K+1)) / (1 - alpha) and
           speedup (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)), for K = 1..max_k. For a draft that
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+
 import torch
 
 
@@ -49,15 +50,15 @@ def leviathan_table(alpha: float, c: float, max_k: int = 8, alpha_later: float |
 
 
 def _where(spec: str) -> tuple:
-    from specdec.models import resolve_model_source
+    from specdec.models.sources import resolve_model_source
 
     source = resolve_model_source(spec)
     return source.location, source.gguf_file
 
 
 def _load_pair(draft_spec: str, target_spec: str, log):
-    from specdec.draft_artifact import artifact_target, load_draft_artifact
-    from specdec.models import is_draft_artifact, load_causal_lm, resolve_model_source
+    from specdec.models.loading import load_causal_lm, load_draft_artifact
+    from specdec.models.sources import artifact_target, is_draft_artifact, resolve_model_source
 
     started = time.monotonic()
     target, _ = load_causal_lm(target_spec)
@@ -79,7 +80,8 @@ def sample_continuation(model, prompt_ids: list[int], max_new_tokens: int, tempe
     """Target samples with the project's warping (KV cache, batch 1)."""
     from transformers import DynamicCache
 
-    from specdec.sampling import Sampling, warp_logits
+    from specdec.core.sampling import Sampling
+    from specdec.models.warping import warp_logits
 
     sampling = Sampling(temperature=temperature)
     generator = torch.Generator().manual_seed(seed)
@@ -102,8 +104,9 @@ def agreement(draft, target, token_ids: list[int], start: int, temperature: floa
 
     A draft that reads the target's hidden states is run as `hidden_agreement` does (first step).
     """
-    from specdec.draft_artifact import needs_target_hidden
-    from specdec.sampling import Sampling, warp_logits
+    from specdec.core.sampling import Sampling
+    from specdec.models.draft_artifact import needs_target_hidden
+    from specdec.models.warping import warp_logits
 
     if needs_target_hidden(draft):
         first, greedy, _ = hidden_agreement(draft, target, token_ids, start, temperature)
@@ -131,9 +134,10 @@ def hidden_agreement(
     up to t - 1), greedy agreement, and alpha of a second step at t + 1, fed the draft's own
     state at t (what the draft does for x_2..x_K, before the target has seen x_1).
     """
-    from specdec.draft_artifact import fed_hidden
-    from specdec.runner import ModelRunner, SessionKVCache
-    from specdec.sampling import Sampling, warp_logits
+    from specdec.core.sampling import Sampling
+    from specdec.models.draft_artifact import fed_hidden
+    from specdec.models.runner import ModelRunner, SessionKVCache
+    from specdec.models.warping import warp_logits
 
     sampling = Sampling(temperature=temperature)
     x = torch.tensor([token_ids])
@@ -163,7 +167,7 @@ def hidden_agreement(
 
 def step_seconds(model, prompt_ids: list[int], steps: int) -> list[float]:
     """Seconds per single-token cached decode step through ModelRunner."""
-    from specdec.runner import ModelRunner, SessionKVCache
+    from specdec.models.runner import ModelRunner, SessionKVCache
 
     runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=100_000))
     tokens = list(prompt_ids)
@@ -197,8 +201,9 @@ def eval_draft(
     log=print,
 ) -> dict:
     from specdec.distill.data import chat_token_ids, heldout_prompts
-    from specdec.draft_artifact import needs_target_hidden
-    from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
+    from specdec.models.draft_artifact import needs_target_hidden
+    from specdec.models.loading import eos_token_ids
+    from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 
     if threads:
         torch.set_num_threads(threads)

@@ -64,11 +64,11 @@ class DistillConfig:
 
 
 def default_names(cfg: DistillConfig) -> tuple[Path, Path]:
-    from specdec.models import ALIASES, PACKAGED_MODELS
+    from specdec.models.sources import ALIASES, PACKAGED_MODELS
 
     key = ALIASES.get(cfg.target.lower(), cfg.target.lower())
     short = key if key in PACKAGED_MODELS else Path(cfg.target.rstrip("/")).stem or "target"
-    from specdec.draft_artifact import CONDITIONING_TARGET_HIDDEN
+    from specdec.models.draft_artifact import CONDITIONING_TARGET_HIDDEN
 
     name = f"{short}-{cfg.num_layers}l" + ("-hidden" if cfg.conditioning == CONDITIONING_TARGET_HIDDEN else "")
     out = Path(cfg.out) if cfg.out else Path("drafts") / name
@@ -193,7 +193,7 @@ def draft_outputs_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hi
     (zeros at 0): the label at t is the law the target computed from its state at t, which the
     draft's own state there learns to match.
     """
-    from specdec.draft_artifact import VocabSubsetHead, fed_hidden, fused_inputs, needs_target_hidden
+    from specdec.models.draft_artifact import VocabSubsetHead, fed_hidden, fused_inputs, needs_target_hidden
 
     if needs_target_hidden(draft):
         if target_hidden is None:
@@ -212,7 +212,7 @@ def draft_outputs_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hi
 
 def label_columns(draft, topk_ids: torch.Tensor) -> torch.Tensor:
     """Token ids -> columns of `draft_logits_at`'s output (identity for a full head)."""
-    from specdec.draft_artifact import VocabSubsetHead
+    from specdec.models.draft_artifact import VocabSubsetHead
 
     head = draft.get_output_embeddings()
     return head.column_of[topk_ids] if isinstance(head, VocabSubsetHead) else topk_ids
@@ -296,7 +296,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
 
     from specdec.distill import data
     from specdec.distill.labels import build_cache, build_hidden_cache, load_shards
-    from specdec.draft_artifact import (
+    from specdec.models.draft_artifact import (
         CONDITIONING_TARGET_HIDDEN,
         apply_head_subset,
         build_draft,
@@ -306,14 +306,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         save_draft_artifact,
         trained_state,
     )
-    from specdec.models import (
-        eos_token_ids,
-        load_causal_lm,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-        tokenizer_fingerprint,
-    )
+    from specdec.models.loading import eos_token_ids, load_causal_lm, resolve_device, resolve_dtype
+    from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -408,7 +402,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         init_layers = state["init_layers"]
         log(f"resuming from {ckpt_path} at step {state['step']}")
     elif cfg.init_from:
-        from specdec.draft_artifact import read_manifest
+        from specdec.models.draft_artifact import read_manifest
 
         manifest = read_manifest(cfg.init_from)
         if int(manifest["num_layers"]) != cfg.num_layers:

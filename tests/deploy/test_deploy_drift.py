@@ -19,7 +19,7 @@ from deploy_support import DOCKERFILES, ROOT, load_compose, rendered_docs
 
 from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
-from specdec.metrics import MetricsInterceptor, Registry
+from specdec.rpc.metrics import MetricsInterceptor, Registry
 from specdec.settings import env_vars, flags, load_settings
 from target_service.settings import TargetSettings
 

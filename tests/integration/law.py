@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from scipy import stats
 
-from specdec.sampling import Sampling, normalize, to_wire, warp_logits
+from specdec.core.sampling import Sampling, normalize
+from specdec.models.warping import to_wire, warp_logits
 
 
 @torch.inference_mode()

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def target():
-    from specdec.models import ModelSourceError, load_causal_lm
+    from specdec.models.loading import load_causal_lm
+    from specdec.models.sources import ModelSourceError
 
     try:
         model, _ = load_causal_lm(TARGET)
@@ -40,7 +41,7 @@ def DRAFT(request):  # noqa: N802 - the artifact directory under test
 
 @pytest.fixture()
 def pair(DRAFT, target):  # noqa: N803
-    from specdec.draft_artifact import load_draft_artifact
+    from specdec.models.loading import load_draft_artifact
 
     return load_draft_artifact(DRAFT, target_model=target), target
 
@@ -48,7 +49,7 @@ def pair(DRAFT, target):  # noqa: N803
 def test_make_run_serves_the_hidden_state_draft():
     import importlib.util
 
-    from specdec.draft_artifact import read_manifest
+    from specdec.models.draft_artifact import read_manifest
 
     spec = importlib.util.spec_from_file_location("stack", ROOT / "scripts" / "stack.py")
     stack = importlib.util.module_from_spec(spec)
@@ -59,8 +60,8 @@ def test_make_run_serves_the_hidden_state_draft():
 
 
 def test_artifact_is_small_and_names_the_default_target(DRAFT):  # noqa: N803
-    from specdec.draft_artifact import artifact_target, read_manifest
-    from specdec.models import DRAFT_ARTIFACT_MARKER
+    from specdec.models.draft_artifact import artifact_target, read_manifest
+    from specdec.models.sources import DRAFT_ARTIFACT_MARKER
 
     manifest = read_manifest(DRAFT)
     assert artifact_target(DRAFT) == TARGET
@@ -70,12 +71,13 @@ def test_artifact_is_small_and_names_the_default_target(DRAFT):  # noqa: N803
 
 
 def test_draft_loads_through_the_model_loader_and_shares_the_tokenizer(DRAFT):  # noqa: N803
-    from specdec.models import load_causal_lm, load_tokenizer, tokenizer_fingerprint
+    from specdec.models.loading import load_causal_lm
+    from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 
     draft_tok, target_tok = load_tokenizer(str(DRAFT)), load_tokenizer(TARGET)
     assert tokenizer_fingerprint(draft_tok) == tokenizer_fingerprint(target_tok)
-    from specdec.draft_artifact import head_token_ids
-    from specdec.models import eos_token_ids
+    from specdec.models.draft_artifact import head_token_ids
+    from specdec.models.loading import eos_token_ids
 
     model, _ = load_causal_lm(str(DRAFT))
     assert model.config.num_hidden_layers < 30
@@ -89,7 +91,8 @@ def test_draft_loads_through_the_model_loader_and_shares_the_tokenizer(DRAFT):  
 def test_alpha_above_floor(pair):
     from specdec.distill.data import chat_token_ids
     from specdec.distill.evaluate import agreement, sample_continuation
-    from specdec.models import eos_token_ids, load_tokenizer
+    from specdec.models.loading import eos_token_ids
+    from specdec.models.sources import load_tokenizer
 
     draft, target = pair
     tokenizer = load_tokenizer(TARGET)

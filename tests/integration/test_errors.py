@@ -126,7 +126,7 @@ def test_client_deadline_is_deadline_exceeded(coordinator_stub):
 
 
 def test_incompatible_draft_is_refused_naming_both_models(tiny_loaded, tiny_model_dirs, redis_url, tmp_path):
-    from specdec.serving import ModelServerSettings, load_model
+    from specdec.rpc.model_service import ModelServerSettings, load_model
     from specdec.settings import load_settings
 
     other_vocab = ["<eos>", "x", "y", "z", "w", "v", "u", "t", "s"]

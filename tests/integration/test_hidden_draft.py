@@ -14,7 +14,7 @@ import pytest
 import torch
 from law import exact_sequence_law, fit_to_law, sample_counts
 
-from specdec.sampling import Sampling
+from specdec.core.sampling import Sampling
 
 SIGNIFICANCE = 0.001
 PROMPT = [3, 1, 4]
@@ -26,9 +26,9 @@ def hidden_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
     from service_stack import start_stack, stop_stack
 
     from draft_service.settings import DraftSettings
-    from specdec.draft_artifact import CONDITIONING_TARGET_HIDDEN, build_draft, save_draft_artifact
-    from specdec.models import load_causal_lm
-    from specdec.serving import load_model
+    from specdec.models.draft_artifact import CONDITIONING_TARGET_HIDDEN, build_draft, save_draft_artifact
+    from specdec.models.loading import load_causal_lm
+    from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from specdec.v1 import coordinator_pb2_grpc
 
@@ -74,7 +74,8 @@ def test_target_hidden_states_from_the_cache_equal_a_fresh_forward(tiny_loaded):
 
 def test_cached_proposals_equal_uncached_ones(hidden_stack, tiny_loaded):
     """The draft's cache keeps only positions fed the target's states, never its own guesses."""
-    from draft_service.proposer import DraftRequest, propose
+    from draft_service.proposer import propose
+    from specdec.core.protocols import DraftRequest
 
     runner = hidden_stack["draft"].runner
     sampling = Sampling(1.0)
@@ -126,8 +127,8 @@ def test_sessions_with_hidden_draft_draft_after_one_target_round(hidden_stack):
 
 
 def test_bad_hidden_state_requests_get_invalid_argument(hidden_stack):
+    from specdec.rpc.wire import encode_hidden_states
     from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-    from specdec.wire import encode_hidden_states
 
     stack = hidden_stack["stack"]
     hidden = hidden_stack["draft"].runner.hidden_size
@@ -164,9 +165,9 @@ class _Recording:
         if name != self.method:
             return getattr(self.client, name)
 
-        def call(request, deadline):
-            self.requests.append(request)
-            return getattr(self.client, name)(request, deadline)
+        def call(requests, sampling, deadline):
+            self.requests.append(list(requests))
+            return getattr(self.client, name)(requests, sampling, deadline)
 
         return call
 
@@ -174,10 +175,9 @@ class _Recording:
 @pytest.mark.parametrize("num_samples", [1, 3])
 def test_each_propose_carries_the_targets_states_for_its_whole_prefix(hidden_stack, tiny_loaded, num_samples):
     """The coordinator keeps exactly the rows of tokens that stayed (never a rejected draft's)."""
-    from coordinator.clients import Deadline, DraftClient, TargetClient
-    from coordinator.generation import GenerationSpec, SpeculativeEngine, Stats, new_samples
-    from specdec.wire import decode_probs
-
+    from specdec.core.engine import GenerationSpec, SpeculativeEngine, Stats, new_samples
+    from specdec.core.protocols import Deadline
+    from specdec.rpc.clients import DraftClient, TargetClient
     stack = hidden_stack["stack"]
     draft = _Recording(DraftClient(stack.draft_address, 30, 10, 64), "propose")
     target = _Recording(TargetClient(stack.target_address, 30, 10, 64), "verify")
@@ -197,26 +197,29 @@ def test_each_propose_carries_the_targets_states_for_its_whole_prefix(hidden_sta
         pass
     assert all(len(s.generated) == 16 for s in samples)
     checked = 0
-    for request in draft.requests:
-        for seq in request.sequences:
+    for requests in draft.requests:
+        for seq in requests:
             prefix = list(seq.prefix_token_ids)
-            sent = decode_probs(seq.target_hidden_states).astype(np.float32)
+            sent = seq.target_hidden.astype(np.float32)
             expected = _target_hidden(tiny_loaded, prefix)[:-1]
             np.testing.assert_allclose(sent, expected, rtol=2e-3, atol=2e-3)  # float16 on the wire
             checked += 1
     # Every round drafts but the first (the target's, for the whole context) and perhaps the
     # last (one token left to generate: nothing to draft).
-    assert checked >= len(target.requests) - 2 and len(target.requests[0].sequences[0].draft_token_ids) == 0
+    assert checked >= len(target.requests) - 2 and len(target.requests[0][0].draft_token_ids) == 0
     draft.client.close()
     target.client.close()
 
 
 def test_a_target_that_returns_no_states_is_a_clear_error():
-    from coordinator.generation import Sample, SpeculativeEngine
-    from specdec.errors import ServiceError
-    from specdec.v1 import target_pb2
+    from specdec.core.errors import ServiceError
+    from specdec.core.hidden import HiddenStateRelay
+    from specdec.core.protocols import NO_DEADLINE, VerifyRequest, VerifyResult
 
-    sample = Sample(index=0, context=[3, 1, 4])
+    class NoStates:
+        def verify(self, requests, sampling, deadline):
+            return [VerifyResult(np.full((1, 4), 0.25, np.float32)) for _ in requests]
+
+    relay = HiddenStateRelay(drafter=None, verifier=NoStates())
     with pytest.raises(ServiceError, match="returned no hidden states"):
-        SpeculativeEngine._keep_hidden(sample, target_pb2.Verification(), known=0, k=0, accepted=0)
-    assert sample.target_hidden is None
+        relay.verify([VerifyRequest("", [3, 1, 4], [])], Sampling(1.0), NO_DEADLINE)

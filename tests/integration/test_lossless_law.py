@@ -16,7 +16,7 @@ import pytest
 from law import chi_square_fit, exact_sequence_law, fit_to_law, sample_counts, samples_to_detect
 
 from specdec.client import build_request
-from specdec.sampling import Sampling
+from specdec.core.sampling import Sampling
 
 SIGNIFICANCE = 0.001
 PROMPT = [3, 1, 4]

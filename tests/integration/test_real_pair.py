@@ -35,8 +35,8 @@ def _shallow_draft(target_model, num_layers: int):
 
 @pytest.fixture(scope="module")
 def real_stack(redis_url):
-    from specdec.runner import ModelRunner, SessionKVCache
-    from specdec.serving import LoadedModel, ModelServerSettings, load_model
+    from specdec.models.runner import ModelRunner, SessionKVCache
+    from specdec.rpc.model_service import LoadedModel, ModelServerSettings, load_model
     from specdec.settings import load_settings
 
     target = load_model(load_settings(ModelServerSettings, [], {}, model=DEFAULT), "target")
@@ -66,7 +66,7 @@ def test_default_pair_greedy_equals_target_only(real_stack):
     print(f"real pair: acceptance {stats.acceptance_rate:.3f}, {stats.mean_tokens_per_round:.2f} tokens/round")
     assert stats.recovered_tokens > 0  # the shallow draft disagrees: the residual path ran
     # And both equal Hugging Face's own greedy decoding of the target.
-    from specdec.models import load_tokenizer
+    from specdec.models.sources import load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT)
     rendered = tokenizer.apply_chat_template(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from law import exact_sequence_law, fit_to_law, sample_counts
 
-from specdec.sampling import Sampling
+from specdec.core.sampling import Sampling
 
 SIGNIFICANCE = 0.001
 PROMPT = [3, 1, 4]
@@ -27,9 +27,9 @@ def subset_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
     from service_stack import start_stack, stop_stack
 
     from draft_service.settings import DraftSettings
-    from specdec.draft_artifact import apply_head_subset, build_draft, save_draft_artifact
-    from specdec.models import load_causal_lm
-    from specdec.serving import load_model
+    from specdec.models.draft_artifact import apply_head_subset, build_draft, save_draft_artifact
+    from specdec.models.loading import load_causal_lm
+    from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from specdec.v1 import coordinator_pb2_grpc
 
@@ -50,7 +50,8 @@ def subset_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
 
 
 def test_subset_draft_proposes_only_subset_tokens_and_says_so(subset_stack):
-    from draft_service.proposer import DraftRequest, propose
+    from draft_service.proposer import propose
+    from specdec.core.protocols import DraftRequest
 
     runner = subset_stack["draft"].runner
     assert runner.vocab_size == 8 and subset_stack["draft"].info.vocab_size == 8

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.serving import build_grpc_server
+from specdec.rpc.server import build_grpc_server
 
 
 def test_calls_beyond_the_limit_get_resource_exhausted_and_health_still_answers():

@@ -2,12 +2,12 @@
 
 import pytest
 
-from coordinator.server import chat_turn_text
+from coordinator.requests import chat_turn_text
 
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from specdec.models import load_tokenizer
+    from specdec.models.sources import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 

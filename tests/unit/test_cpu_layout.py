@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.cpu_layout import DualLayoutLinear, use_dual_layout
+from specdec.models.cpu_layout import DualLayoutLinear, use_dual_layout
 
 
 @pytest.mark.parametrize("bias", [False, True])

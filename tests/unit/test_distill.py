@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from tiny_models import build_tiny_model
 
 
@@ -66,12 +65,13 @@ def test_topk_kl_is_exact_kl_when_topk_covers_the_vocab():
 
 
 def test_distill_trains_writes_a_loadable_artifact_and_resumes(tiny_target, tmp_path):
-    from draft_service.proposer import DraftRequest, propose
+    from draft_service.proposer import propose
     from draft_service.settings import DraftSettings
+    from specdec.core.protocols import DraftRequest
+    from specdec.core.sampling import Sampling
     from specdec.distill.train import distill
-    from specdec.models import DRAFT_ARTIFACT_MARKER, load_tokenizer, tokenizer_fingerprint
-    from specdec.sampling import Sampling
-    from specdec.serving import load_model
+    from specdec.models.sources import DRAFT_ARTIFACT_MARKER, load_tokenizer, tokenizer_fingerprint
+    from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
 
     logs: list[str] = []
@@ -110,8 +110,8 @@ def test_distill_trains_writes_a_loadable_artifact_and_resumes(tiny_target, tmp_
 
 def test_eval_draft_on_the_tiny_pair(tiny_target, tmp_path):
     from specdec.distill.evaluate import eval_draft
-    from specdec.draft_artifact import build_draft, save_draft_artifact
-    from specdec.models import load_causal_lm
+    from specdec.models.draft_artifact import build_draft, save_draft_artifact
+    from specdec.models.loading import load_causal_lm
 
     target, _ = load_causal_lm(str(tiny_target))
     draft = build_draft(target, 4, [0, 1, 2, 3])  # all target layers: the draft is the target
@@ -126,7 +126,7 @@ def test_eval_draft_on_the_tiny_pair(tiny_target, tmp_path):
 def test_cli_registers_subcommands_with_the_default_target():
     from specdec.cli import build_parser
     from specdec.distill.cli import DEFAULT_MODEL
-    from specdec.models import DEFAULT_MODEL as MODELS_DEFAULT
+    from specdec.models.sources import DEFAULT_MODEL as MODELS_DEFAULT
 
     assert DEFAULT_MODEL == MODELS_DEFAULT
     args = build_parser().parse_args(["distill", "--init-layers", "0,29", "--steps", "5"])
@@ -157,13 +157,14 @@ def test_topk_kl_puts_tokens_the_draft_cannot_emit_in_the_leftover_bucket():
 def test_distill_with_a_vocabulary_subset_head(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
-    from draft_service.proposer import DraftRequest, propose
+    from draft_service.proposer import propose
     from draft_service.settings import DraftSettings
+    from specdec.core.protocols import DraftRequest
+    from specdec.core.sampling import Sampling
     from specdec.distill.train import distill
-    from specdec.draft_artifact import HEAD_TOKEN_IDS, head_token_ids
-    from specdec.models import DRAFT_ARTIFACT_MARKER
-    from specdec.sampling import Sampling
-    from specdec.serving import load_model
+    from specdec.models.draft_artifact import HEAD_TOKEN_IDS, head_token_ids
+    from specdec.models.sources import DRAFT_ARTIFACT_MARKER
+    from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
 
     logs: list[str] = []
@@ -204,9 +205,8 @@ def test_distill_a_draft_that_reads_the_target_hidden_states(tiny_target, tmp_pa
     from specdec.distill.evaluate import eval_draft, hidden_agreement
     from specdec.distill.labels import hidden_shard_path, load_shards
     from specdec.distill.train import collate, distill, draft_logits_at
-    from specdec.draft_artifact import load_draft_artifact
-    from specdec.models import load_causal_lm
-    from specdec.serving import load_model
+    from specdec.models.loading import load_causal_lm, load_draft_artifact
+    from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
 
     logs: list[str] = []
@@ -250,8 +250,8 @@ def test_a_tokens_draft_continues_as_a_hidden_state_draft_from_where_it_was(tiny
     ignoring the states, so step 0 scores exactly what the artifact scored."""
     from specdec.distill.labels import load_shards
     from specdec.distill.train import distill, evaluate
-    from specdec.draft_artifact import build_draft, save_draft_artifact
-    from specdec.models import load_causal_lm
+    from specdec.models.draft_artifact import build_draft, save_draft_artifact
+    from specdec.models.loading import load_causal_lm
 
     target, _ = load_causal_lm(str(tiny_target))
     tokens_draft = build_draft(target, 1, [2])

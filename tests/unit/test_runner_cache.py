@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdec.runner import ModelRunner, SessionKVCache, common_prefix_length
+from specdec.core.tokens import common_prefix_length
+from specdec.models.runner import ModelRunner, SessionKVCache
 
 
 def _full_logits(model, tokens, num_last):

@@ -7,9 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.sampling import (
-    InconsistentDraftError,
-    NonFiniteLogitsError,
+from specdec.core.errors import InconsistentDraftError, NonFiniteLogitsError
+from specdec.core.sampling import (
     Sampling,
     acceptance_probs,
     acceptance_rate,
@@ -20,8 +19,8 @@ from specdec.sampling import (
     rng_for,
     sample_token,
     speculative_round,
-    warp_logits,
 )
+from specdec.models.warping import warp_logits
 
 
 def test_seed_article_example_exactly():
@@ -189,7 +188,7 @@ def test_nonfinite_logits_are_a_clear_error():
 
 
 def test_nucleus_fast_path_equals_full_sort():
-    from specdec.sampling import _nucleus
+    from specdec.models.warping import _nucleus
 
     def reference(probs, top_p):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)

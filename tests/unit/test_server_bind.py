@@ -6,7 +6,7 @@ import pytest
 
 
 def test_second_server_on_a_taken_port_fails_to_bind():
-    from specdec.serving import build_grpc_server
+    from specdec.rpc.server import build_grpc_server
 
     first = build_grpc_server("127.0.0.1", 0, 2, 4, lambda server: None, [], "test")
     first.server.start()

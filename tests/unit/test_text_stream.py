@@ -1,5 +1,5 @@
-from coordinator.clients import channel_target
-from coordinator.server import TextStream
+from specdec.core.text import TextStream
+from specdec.rpc.clients import channel_target
 
 
 def test_deltas_concatenate_to_final_text_and_hold_back_stop_prefixes():

@@ -1,17 +1,19 @@
-"""gRPC clients of the draft and target pools: deadlines, load balancing, status mapping."""
+"""gRPC clients of the draft and target pools: the engine's Drafter and Verifier over the wire,
+with deadlines, load balancing and status mapping."""
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import grpc
 
-from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
-from specdec.serving import grpc_message_options
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.core.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
+from specdec.core.protocols import Deadline, DraftProposal, DraftRequest, VerifyRequest, VerifyResult
+from specdec.core.sampling import Sampling
+from specdec.rpc import wire
+from specdec.rpc.server import grpc_message_options
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 # Client-side round_robin: with a DNS name resolving to many pods (a headless
 # Service) each call picks the next pod, instead of pinning one HTTP/2 connection.
@@ -55,21 +57,6 @@ def open_channel(address: str, max_message_mb: int) -> grpc.Channel:
     return grpc.insecure_channel(channel_target(address), options=options)
 
 
-@dataclass(frozen=True)
-class Deadline:
-    """An absolute deadline (from the client's, when it set one)."""
-
-    at: float | None  # time.monotonic() value, None = no client deadline
-
-    def timeout(self, cap_s: float) -> float:
-        if self.at is None:
-            return cap_s
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("the request's deadline passed")
-        return min(cap_s, left)
-
-
 def _mapped(service: str, address: str, exc: grpc.RpcError) -> ServiceError:
     code, details = exc.code(), exc.details()
     message = f"{service} service at {address}: {details}"
@@ -79,7 +66,7 @@ def _mapped(service: str, address: str, exc: grpc.RpcError) -> ServiceError:
         return Unavailable(message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(message)
-    return ServiceError(message, code)
+    return ServiceError(message, code.name)
 
 
 class ModelClient:
@@ -112,37 +99,32 @@ class ModelClient:
 
 
 class DraftClient(ModelClient):
+    """The draft pool as the engine's Drafter."""
+
     def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
         super().__init__(
             "draft", address, draft_pb2_grpc.DraftServiceStub, call_timeout_s, info_timeout_s, max_message_mb
         )
 
-    def propose(self, request: draft_pb2.ProposeRequest, deadline: Deadline) -> draft_pb2.ProposeResponse:
-        return self.call(self.stub.Propose, request, deadline)
+    def propose(self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
+        response = self.call(self.stub.Propose, wire.propose_request(list(requests), sampling), deadline)
+        try:
+            return wire.proposals_from_proto(response)
+        except ValueError as exc:
+            raise ServiceError(f"draft service at {self.address}: {exc}") from exc
 
 
 class TargetClient(ModelClient):
+    """The target pool as the engine's Verifier."""
+
     def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
         super().__init__(
             "target", address, target_pb2_grpc.TargetServiceStub, call_timeout_s, info_timeout_s, max_message_mb
         )
 
-    def verify(self, request: target_pb2.VerifyRequest, deadline: Deadline) -> target_pb2.VerifyResponse:
-        return self.call(self.stub.Verify, request, deadline)
-
-
-def check_compatible(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) -> None:
-    """FailedPrecondition unless the draft's token ids mean what the target's do."""
-    problems = []
-    if draft.vocab_size != target.vocab_size:
-        problems.append(f"vocab size {draft.vocab_size} vs {target.vocab_size}")
-    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
-        problems.append("tokenizer fingerprints differ")
-    if draft.needs_target_hidden_states and draft.hidden_size != target.hidden_size:
-        problems.append(f"the draft reads hidden states of width {draft.hidden_size}, the target's are {target.hidden_size}")
-    if problems:
-        raise FailedPrecondition(
-            f"draft model {draft.model_id!r} and target model {target.model_id!r} are incompatible "
-            f"({'; '.join(problems)}): speculative rounds are refused; use num_speculative_tokens=0 "
-            "or pair models that share a tokenizer"
-        )
+    def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
+        response = self.call(self.stub.Verify, wire.verify_request(list(requests), sampling), deadline)
+        try:
+            return wire.verify_results_from_proto(response)
+        except ValueError as exc:
+            raise ServiceError(f"target service at {self.address}: {exc}") from exc

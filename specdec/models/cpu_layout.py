@@ -42,7 +42,11 @@ def use_dual_layout(model: torch.nn.Module, min_rows: int) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if (
+                type(child) is torch.nn.Linear
+                and child.weight.dtype == torch.float32
+                and child.weight.device.type == "cpu"
+            ):
                 setattr(parent, name, DualLayoutLinear(child, min_rows))
                 swapped += 1
     return swapped

@@ -1,127 +1,23 @@
-"""What every gRPC service of the project shares: server setup, health, reflection, shutdown,
-and (for the two model services) settings, model loading and request validation."""
+"""What the two model services (draft and target) share: settings, model loading, `ModelInfo`,
+request validation, and a server that reports SERVING once its model has loaded."""
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from concurrent import futures
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from specdec.errors import InvalidArgument, Unavailable
-from specdec.metrics import MetricsInterceptor, Registry, serve_metrics
+from specdec.core.errors import InvalidArgument, Unavailable
+from specdec.rpc.metrics import Registry
+from specdec.rpc.server import GrpcServer, build_grpc_server
 from specdec.settings import setting
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-
-def grpc_message_options(max_message_mb: int) -> list[tuple[str, int]]:
-    size = max_message_mb * 1024 * 1024
-    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
-
-
-def connection_age_options(max_connection_age_s: float) -> list[tuple[str, int]]:
-    """Close client connections after this age (0 = never), so that clients using
-    round_robin over DNS re-resolve and spread load onto pods added by an autoscaler."""
-    if max_connection_age_s <= 0:
-        return []
-    age_ms = int(max_connection_age_s * 1000)
-    return [("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", age_ms)]
-
-
-@dataclass
-class GrpcServer:
-    server: grpc.Server
-    port: int
-    health: health.HealthServicer
-    service_names: tuple[str, ...]
-    registry: Registry
-    metrics_port: int | None  # None: no /metrics endpoint
-    # Set by a signal or by a fatal start-up error (e.g. the model failed to load).
-    stop_requested: threading.Event = field(default_factory=threading.Event)
-    failed: bool = False
-
-    def set_serving(self, serving: bool = True) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self.service_names):
-            self.health.set(name, status)
-
-
-def build_grpc_server(
-    host: str,
-    port: int,
-    max_workers: int,
-    max_message_mb: int,
-    register: Callable[[grpc.Server], None],
-    service_names: Iterable[str],
-    metrics_label: str,
-    metrics_port: int = -1,
-    registry: Registry | None = None,
-    max_connection_age_s: float = 0.0,
-    max_concurrent_requests: int = 0,
-) -> GrpcServer:
-    """A ready-to-start server with health (NOT_SERVING until `set_serving`), reflection and metrics.
-
-    Binds host:port; port 0 picks a free one (tests). metrics_port: -1 = no
-    /metrics endpoint, 0 = any free port. Raises RuntimeError if binding fails.
-    """
-    registry = registry or Registry()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        # No SO_REUSEPORT: a second server on a taken port must fail to bind, not silently
-        # share it (the kernel would split connections between the two, including one that
-        # is shutting down: "connection refused" for a fraction of clients).
-        options=[("grpc.so_reuseport", 0)]
-        + grpc_message_options(max_message_mb)
-        + connection_age_options(max_connection_age_s),
-        interceptors=[MetricsInterceptor(registry, metrics_label, max_concurrent_requests)],
-    )
-    register(server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = tuple(service_names)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
-    metrics_bound = None
-    if metrics_port >= 0:
-        metrics_bound = serve_metrics(registry, host, metrics_port).server_port
-    result = GrpcServer(server, bound, health_servicer, names, registry, metrics_bound)
-    result.set_serving(False)
-    return result
-
-
-def serve_until_signal(grpc_server: GrpcServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> int:
-    """Block until SIGTERM/SIGINT, then report NOT_SERVING and drain in-flight calls for `grace_s`.
-
-    Returns the process exit code (1 if the server failed during start-up).
-    """
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: grpc_server.stop_requested.set())
-    while not grpc_server.stop_requested.wait(0.5):
-        pass
-    log.info("stopping: draining in-flight calls for up to %.1fs", grace_s)
-    grpc_server.set_serving(False)
-    grpc_server.server.stop(grace_s).wait()
-    if on_stop is not None:
-        on_stop()
-    return 1 if grpc_server.failed else 0
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-# ---------------------------------------------------------------- model services
 
 
 @dataclass(frozen=True)
@@ -151,8 +47,10 @@ class ModelServerSettings:
     )
     torch_threads: int = setting(0, "TORCH_THREADS", "torch intra-op threads (0 = torch default)")
     dual_layout_min_rows: int = setting(
-        4, "DUAL_LAYOUT_MIN_ROWS", "float32 on CPU: keep a transposed copy of each linear weight and use it for "
-        "matmuls of at least this many rows (~1.4x faster K >= 3 verifies; 2x weight memory; 0 = off)"
+        4,
+        "DUAL_LAYOUT_MIN_ROWS",
+        "float32 on CPU: keep a transposed copy of each linear weight and use it for "
+        "matmuls of at least this many rows (~1.4x faster K >= 3 verifies; 2x weight memory; 0 = off)",
     )
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
@@ -169,7 +67,8 @@ class ModelServerSettings:
 
 
 def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: str) -> common_pb2.ModelInfo:
-    from specdec.models import eos_token_ids, tokenizer_fingerprint
+    from specdec.models.loading import eos_token_ids
+    from specdec.models.sources import tokenizer_fingerprint
 
     return common_pb2.ModelInfo(
         model_id=source.spec,
@@ -213,9 +112,10 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     """Load the model, its tokenizer (for the fingerprint) and wrap them in a cached runner."""
     import torch
 
-    from specdec.cpu_layout import use_dual_layout
-    from specdec.models import load_causal_lm, load_tokenizer
-    from specdec.runner import ModelRunner, SessionKVCache
+    from specdec.models.cpu_layout import use_dual_layout
+    from specdec.models.loading import load_causal_lm
+    from specdec.models.runner import ModelRunner, SessionKVCache
+    from specdec.models.sources import load_tokenizer
 
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
@@ -246,18 +146,19 @@ class ModelServicerBase:
         return self._loaded
 
 
-def kv_cache_metric_lines(cache, role: str) -> list[str]:
-    label = f'{{service="{role}"}}'
-    return [
-        "# TYPE specdec_kv_cache_hits_total counter",
-        f"specdec_kv_cache_hits_total{label} {cache.hits}",
-        "# TYPE specdec_kv_cache_misses_total counter",
-        f"specdec_kv_cache_misses_total{label} {cache.misses}",
-        "# TYPE specdec_kv_cache_sessions gauge",
-        f"specdec_kv_cache_sessions{label} {len(cache)}",
-        "# TYPE specdec_kv_cache_tokens gauge",
-        f"specdec_kv_cache_tokens{label} {cache.total_tokens}",
-    ]
+def observe_kv_cache(registry: Registry, cache, role: str) -> None:
+    """KV-cache counters and gauges, read from the cache at scrape time."""
+    labels = {"service": role}
+    registry.observe(
+        "specdec_kv_cache_hits_total", "KV cache lookups that reused keys/values", "counter", labels, lambda: cache.hits
+    )
+    registry.observe(
+        "specdec_kv_cache_misses_total", "KV cache lookups that recomputed", "counter", labels, lambda: cache.misses
+    )
+    registry.observe("specdec_kv_cache_sessions", "sessions held in the KV cache", "gauge", labels, lambda: len(cache))
+    registry.observe(
+        "specdec_kv_cache_tokens", "tokens held in the KV cache", "gauge", labels, lambda: cache.total_tokens
+    )
 
 
 def start_model_server(
@@ -285,12 +186,11 @@ def start_model_server(
         max_connection_age_s=settings.max_connection_age_s,
         max_concurrent_requests=settings.max_concurrent_requests,
     )
-    servicer.registry = grpc_server.registry
     grpc_server.server.start()
 
     def attach(model: LoadedModel) -> None:
         servicer.attach(model)
-        grpc_server.registry.add_collector(lambda: kv_cache_metric_lines(model.runner.cache, servicer.role))
+        observe_kv_cache(grpc_server.registry, model.runner.cache, servicer.role)
         grpc_server.set_serving(True)
         log.info("%s model %s loaded; serving on port %d", servicer.role, model.info.model_id, grpc_server.port)
 

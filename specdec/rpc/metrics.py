@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -69,16 +69,30 @@ class Gauge(_Metric):
             self._values[self._key(labels)] = value
 
 
+class Observed(_Metric):
+    """A counter or gauge read at scrape time from state another object owns (a KV cache)."""
+
+    def __init__(self, name: str, help_text: str, kind: str, labels: dict[str, str], read: Callable[[], float]):
+        super().__init__(name, help_text, tuple(labels))
+        self.kind = kind
+        self._label_values = tuple(labels.values())
+        self._read = read
+
+    def render(self) -> list[str]:
+        with self._lock:
+            self._values[self._label_values] = float(self._read())
+        return super().render()
+
+
 class Registry:
     def __init__(self):
         self._metrics: dict[str, _Metric] = {}
-        self._collectors: list = []
         self._lock = threading.Lock()
 
-    def add_collector(self, collect) -> None:
-        """`collect()` -> exposition lines, read at scrape time (state owned elsewhere)."""
+    def observe(self, name: str, help_text: str, kind: str, labels: dict[str, str], read: Callable[[], float]) -> None:
+        """Expose `read()` as a `kind` ("counter" / "gauge") metric with fixed labels."""
         with self._lock:
-            self._collectors.append(collect)
+            self._metrics[name] = Observed(name, help_text, kind, labels, read)
 
     def _get(self, cls, name: str, help_text: str, labels: tuple[str, ...]):
         with self._lock:
@@ -95,11 +109,7 @@ class Registry:
     def render(self) -> str:
         with self._lock:
             metrics = list(self._metrics.values())
-            collectors = list(self._collectors)
-        lines = [line for m in metrics for line in m.render()]
-        for collect in collectors:
-            lines.extend(collect())
-        return "\n".join(lines) + "\n"
+        return "\n".join(line for m in metrics for line in m.render()) + "\n"
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

@@ -1,6 +1,6 @@
 """The draft artifact: a few trained decoder layers plus a reference to the target they serve.
 
-A directory is a draft artifact when it holds `specdec_draft.json` (models.DRAFT_ARTIFACT_MARKER):
+A directory is a draft artifact when it holds `specdec_draft.json` (sources.DRAFT_ARTIFACT_MARKER):
 
     specdec_draft.json        manifest: format, target spec, layer count, init layers, tokenizer
                               fingerprint, training facts
@@ -9,7 +9,7 @@ A directory is a draft artifact when it holds `specdec_draft.json` (models.DRAFT
 The embedding, final norm and LM head are the target's (shared and frozen during
 distillation), so loading a draft loads its target once, copies those three in and drops
 the rest. The result is an ordinary Hugging Face causal LM with `num_hidden_layers = N`,
-so the model services and `specdec.runner` use it like any other model.
+so the model services and `specdec.models.runner` use it like any other model.
 
 Optionally the head keeps only a subset of the vocabulary (`VocabSubsetHead`; the ids are
 stored in the weights file as `head.token_ids`). With a 49k vocabulary and a 2-layer
@@ -33,9 +33,14 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import DRAFT_ARTIFACT_MARKER
+from specdec.models.sources import (  # noqa: F401 - the manifest half lives with the sources
+    ARTIFACT_FORMAT,
+    DRAFT_ARTIFACT_MARKER,
+    DraftArtifactError,
+    artifact_target,
+    read_manifest,
+)
 
-ARTIFACT_FORMAT = "specdec-draft/1"
 WEIGHTS_FILE = "draft_layers.safetensors"
 LAYER_PREFIX = "model.layers."
 HEAD_TOKEN_IDS = "head.token_ids"
@@ -43,37 +48,6 @@ HIDDEN_FUSE = "hidden_fuse"
 TRAINED_PREFIXES = (LAYER_PREFIX, HIDDEN_FUSE + ".")
 CONDITIONING_TOKENS = "tokens"
 CONDITIONING_TARGET_HIDDEN = "target_hidden"
-
-
-class DraftArtifactError(ValueError):
-    """A directory that claims to be a draft artifact but cannot be loaded as one."""
-
-
-def read_manifest(directory: str | Path) -> dict:
-    path = Path(directory) / DRAFT_ARTIFACT_MARKER
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DraftArtifactError(f"cannot read {path}: {exc}") from exc
-    if manifest.get("format") != ARTIFACT_FORMAT:
-        raise DraftArtifactError(f"{path}: format {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
-    for key in ("target", "num_layers"):
-        if key not in manifest:
-            raise DraftArtifactError(f"{path}: missing {key!r}")
-    return manifest
-
-
-def artifact_target(directory: str | Path) -> str:
-    """The model spec of the target this draft was distilled for (its tokenizer is the draft's).
-
-    A relative path in the manifest is relative to the artifact directory, so an artifact
-    can travel together with a local target directory.
-    """
-    target = str(read_manifest(directory)["target"])
-    candidate = Path(directory) / target
-    if not Path(target).is_absolute() and (candidate.is_dir() or candidate.is_file()):
-        return str(candidate.resolve())
-    return target
 
 
 class VocabSubsetHead(torch.nn.Module):
@@ -314,25 +288,3 @@ def load_draft_weights(draft, directory: str | Path, manifest: dict | None = Non
         buffers = dict(draft.named_buffers())
         for name, value in tensors.items():
             (params.get(name) if name in params else buffers[name]).copy_(value.float())
-
-
-def load_draft_artifact(directory: str | Path, dtype: str = "float32", device: str = "cpu", target_model=None):
-    """The draft as a Hugging Face causal LM (eval mode) on `device` in `dtype`.
-
-    Loads the target (unless given) for its embedding, final norm and head.
-    """
-    from specdec.models import load_causal_lm, resolve_device, resolve_dtype
-
-    manifest = read_manifest(directory)
-    if target_model is None:
-        target_model, _ = load_causal_lm(artifact_target(directory), dtype="float32", device="cpu")
-    num_layers = int(manifest["num_layers"])
-    init_layers = [int(i) for i in manifest.get("init_layers") or range(num_layers)]
-    conditioning = str(manifest.get("conditioning", CONDITIONING_TOKENS))
-    draft = build_draft(target_model, num_layers, init_layers, conditioning)
-    del target_model
-    load_draft_weights(draft, directory, manifest)
-    draft.requires_grad_(False)
-    draft.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
-    draft.eval()
-    return draft

@@ -1,7 +1,8 @@
 """Model forward passes behind a small interface, with a per-session KV cache.
 
-`ModelRunner.last_logits` is the only thing the services need from a model:
-the logits at the last `num_last` positions of a token sequence. Whether the
+`ModelRunner.last_logits` (one sequence, cached) and `batch_forward` (independent sequences,
+uncached) are what the services need from a model: the logits at the last `num_last`
+positions of token sequences, and optionally final hidden states. Whether the
 KV cache helped is invisible to the result: a miss recomputes from the tokens
 the request carries, so correctness never depends on the cache.
 """
@@ -16,15 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.draft_artifact import fused_inputs, needs_target_hidden
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from specdec.core.tokens import common_prefix_length
+from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
 
 
 @dataclass

@@ -1,0 +1,259 @@
+"""The speculative decoding loop: draft -> verify -> accept/reject, round after round.
+
+Transport-free: it reaches its models through the `Drafter` / `Verifier` protocols
+(`specdec.core.protocols`), whether they are gRPC clients or models in this process, and leaves
+sessions, tokenisation and responses to its callers. All randomness derives from
+(seed, sample, round), so a seeded request gives the same tokens on any coordinator replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec.core.errors import ServiceError
+from specdec.core.hidden import HiddenStateRelay
+from specdec.core.protocols import Deadline, Drafter, DraftRequest, Verifier, VerifyRequest
+from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
+from specdec.core.text import Decode, stop_point
+
+# The values of specdec.v1.FinishReason.
+FINISH_RUNNING = 0
+FINISH_LENGTH = 1
+FINISH_EOS = 2
+FINISH_STOP = 3
+
+# Streams of randomness per (sample, round): one seeds the draft's K uniforms,
+# the other the coordinator's accept/recover/bonus draws.
+_DRAFT_STREAM = 0
+_ACCEPT_STREAM = 1
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request, in tokens."""
+
+    context_token_ids: list[int]  # session history + prompt: what the models condition on
+    max_new_tokens: int
+    sampling: Sampling
+    seed: int
+    num_speculative_tokens: int
+    stop: tuple[str, ...] = ()
+    eos_token_ids: frozenset[int] = frozenset()
+    num_samples: int = 1
+    max_context: int = 0  # the target's position limit (0 = unknown)
+    max_draft_context: int = 0  # the draft's position limit (0 = unknown)
+    cache_key: str = ""  # the model services' KV-cache key, used by single-sample requests
+    sample_batch_size: int = 1024
+    # The draft reads the target's hidden states (ModelInfo.needs_target_hidden_states).
+    draft_needs_hidden: bool = False
+
+    @property
+    def model_cache_key(self) -> str:
+        # Samples of one request would evict each other's entries: they run uncached.
+        return self.cache_key if self.num_samples == 1 else ""
+
+
+@dataclass
+class Sample:
+    """One sequence being generated."""
+
+    index: int
+    context: list[int]
+    generated: list[int] = field(default_factory=list)
+    finish_reason: int = FINISH_RUNNING
+    stopped_text: str | None = None  # text cut before a stop string, once one matched
+
+    @property
+    def running(self) -> bool:
+        return self.finish_reason == FINISH_RUNNING
+
+
+@dataclass
+class Stats:
+    rounds: int = 0  # Propose/Verify rounds (all samples of a round count once)
+    sample_rounds: int = 0  # rounds summed over samples: what tokens per round divides by
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    recovered_tokens: int = 0
+    bonus_tokens: int = 0
+    emitted_tokens: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    prompt_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def count(self, drafted: int, result: RoundResult) -> None:
+        self.sample_rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += len(result.accepted_tokens)
+        self.recovered_tokens += result.recovered_token is not None
+        self.bonus_tokens += result.bonus_token is not None
+        self.emitted_tokens += len(result.tokens)
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """After one round: the samples that took part and what each appended."""
+
+    round_index: int
+    new_tokens: dict[int, list[int]]  # sample index -> tokens appended this round
+
+
+@dataclass
+class _Draft:
+    """One sample's proposal this round (empty when it drafts nothing)."""
+
+    tokens: list[int] = field(default_factory=list)  # [k]
+    probs: np.ndarray | None = None  # [k, V] float32, None when k = 0
+
+
+class SpeculativeEngine:
+    def __init__(self, drafter: Drafter, verifier: Verifier, decode: Decode):
+        self.drafter = drafter
+        self.verifier = verifier
+        self.decode = decode
+
+    def run(
+        self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline
+    ) -> Iterator[RoundEvent]:
+        """Advance `samples` in lockstep rounds until each finishes; yields after every round."""
+        drafter, verifier = self.drafter, self.verifier
+        if spec.draft_needs_hidden and spec.num_speculative_tokens > 0:
+            drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
+        round_index = 0
+        while running := [s for s in samples if s.running]:
+            drafts = self._propose(drafter, spec, running, round_index, stats, deadline)
+            yield self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
+            round_index += 1
+
+    # ------------------------------------------------------------ one round
+
+    @staticmethod
+    def _num_draft_tokens(spec: GenerationSpec, sample: Sample) -> int:
+        # Drafting past max_new_tokens or the context window is wasted work.
+        k = min(spec.num_speculative_tokens, spec.max_new_tokens - len(sample.generated) - 1)
+        for limit in (spec.max_context, spec.max_draft_context):
+            if limit:
+                k = min(k, limit - len(sample.context))
+        return max(0, k)
+
+    def _propose(
+        self,
+        drafter: Drafter,
+        spec: GenerationSpec,
+        running: list[Sample],
+        round_index: int,
+        stats: Stats,
+        deadline: Deadline,
+    ) -> list[_Draft]:
+        ks = [self._num_draft_tokens(spec, s) for s in running]
+        drafts = [_Draft() for _ in running]
+        proposing = [i for i, k in enumerate(ks) if k > 0]
+        if not proposing:
+            return drafts
+        requests = [
+            DraftRequest(
+                cache_key=spec.model_cache_key,
+                prefix_token_ids=list(running[i].context),
+                num_draft_tokens=ks[i],
+                seed=derive_seed(spec.seed, running[i].index, round_index, _DRAFT_STREAM),
+                sequence=running[i].index,
+            )
+            for i in proposing
+        ]
+        started = time.perf_counter()
+        proposals = drafter.propose(requests, spec.sampling, deadline)
+        stats.draft_time_s += time.perf_counter() - started
+        if len(proposals) != len(proposing):
+            raise ServiceError(f"draft returned {len(proposals)} proposals for {len(proposing)} sequences")
+        for i, proposal in zip(proposing, proposals, strict=True):
+            tokens, probs = list(proposal.draft_token_ids), proposal.draft_probs
+            # A drafter may propose fewer tokens than asked (none included), never more.
+            if len(tokens) > ks[i] or probs.ndim != 2 or probs.shape[0] != len(tokens):
+                raise ServiceError(f"draft returned {len(tokens)} tokens / {probs.shape} for K={ks[i]}")
+            if tokens:
+                drafts[i] = _Draft(tokens, probs)
+        return drafts
+
+    def _verify(
+        self,
+        verifier: Verifier,
+        spec: GenerationSpec,
+        running: list[Sample],
+        drafts: list[_Draft],
+        round_index: int,
+        stats: Stats,
+        deadline: Deadline,
+    ) -> RoundEvent:
+        requests = [
+            VerifyRequest(spec.model_cache_key, list(s.context), drafts[i].tokens, sequence=s.index)
+            for i, s in enumerate(running)
+        ]
+        started = time.perf_counter()
+        results = verifier.verify(requests, spec.sampling, deadline)
+        stats.verify_time_s += time.perf_counter() - started
+        if len(results) != len(running):
+            raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
+        stats.rounds += 1
+        new_tokens: dict[int, list[int]] = {}
+        for sample, draft, verification in zip(running, drafts, results, strict=True):
+            result = self._accept(spec, sample, draft, verification.target_probs, round_index)
+            stats.count(len(draft.tokens), result)
+            new_tokens[sample.index] = self._append(spec, sample, result.tokens)
+        return RoundEvent(round_index, new_tokens)
+
+    @staticmethod
+    def _accept(
+        spec: GenerationSpec, sample: Sample, draft: _Draft, target_probs: np.ndarray, round_index: int
+    ) -> RoundResult:
+        k = len(draft.tokens)
+        if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
+            raise ServiceError(f"target returned {target_probs.shape[0]} laws for K={k}")
+        vocab = target_probs.shape[1]
+        if draft.probs is not None and draft.probs.shape[1] != vocab:
+            raise ServiceError(f"draft and target laws differ in vocabulary size: {draft.probs.shape[1]} vs {vocab}")
+        draft_probs = draft.probs if draft.probs is not None else np.empty((0, vocab), np.float32)
+        rng = rng_for(spec.seed, sample.index, round_index, _ACCEPT_STREAM)
+        return speculative_round(draft.tokens, draft_probs, target_probs, rng)
+
+    # ------------------------------------------------------------ stopping
+
+    def _append(self, spec: GenerationSpec, sample: Sample, tokens: list[int]) -> list[int]:
+        """Append a round's tokens up to the first stopping point; returns what was kept."""
+        before = len(sample.generated)
+        for token in tokens:
+            sample.generated.append(token)
+            sample.context.append(token)
+            if token in spec.eos_token_ids:
+                sample.finish_reason = FINISH_EOS
+            elif len(sample.generated) >= spec.max_new_tokens:
+                sample.finish_reason = FINISH_LENGTH
+            elif spec.max_context and len(sample.context) >= spec.max_context:
+                sample.finish_reason = FINISH_LENGTH
+            if not sample.running:
+                break
+        stopped = stop_point(self.decode, sample.generated, before, spec.stop)
+        if stopped is not None:
+            count, sample.stopped_text = stopped
+            dropped = len(sample.generated) - count
+            del sample.generated[count:]
+            if dropped:
+                del sample.context[-dropped:]
+            sample.finish_reason = FINISH_STOP
+        return sample.generated[before:]
+
+    def text_of(self, sample: Sample) -> str:
+        return sample.stopped_text if sample.stopped_text is not None else self.decode(sample.generated)
+
+
+def new_samples(spec: GenerationSpec) -> list[Sample]:
+    return [Sample(index=i, context=list(spec.context_token_ids)) for i in range(spec.num_samples)]
+
+
+def batches(samples: list[Sample], size: int) -> Iterator[list[Sample]]:
+    for start in range(0, len(samples), size):
+        yield samples[start : start + size]

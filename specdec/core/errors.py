@@ -1,0 +1,49 @@
+"""Errors that carry their status, raised anywhere in the project.
+
+`code` is the name of a gRPC status code, kept as a string so that this module (and the
+engine that raises these) imports nothing but the standard library; `specdec.rpc.errors`
+turns them into statuses, and no stack trace reaches a client.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    code = "INTERNAL"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgument(ServiceError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(ServiceError):
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(ServiceError):
+    code = "FAILED_PRECONDITION"
+
+
+class Aborted(ServiceError):
+    code = "ABORTED"
+
+
+class Unavailable(ServiceError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ServiceError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class NonFiniteLogitsError(ServiceError, ValueError):
+    """A model produced NaN or +inf logits: sampling from them would be silently wrong."""
+
+
+class InconsistentDraftError(ServiceError, ValueError):
+    """The draft reported q(x) = 0 for a token it proposed: its q is not the law it sampled."""

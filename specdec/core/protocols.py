@@ -1,0 +1,90 @@
+"""What the engine asks of its two models, independent of how it reaches them.
+
+A `Drafter` proposes tokens with the laws it drew them from; a `Verifier` scores a prefix plus
+proposed tokens in one forward. The gRPC clients (`specdec.rpc.clients`) and the in-process
+adapters (`draft_service.proposer`, `target_service.verifier`) implement them; the dataclasses
+are what both sides of the wire convert to and from (`specdec.rpc.wire`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from specdec.core.errors import DeadlineExceeded
+from specdec.core.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """An absolute deadline (from the client's, when it set one)."""
+
+    at: float | None  # time.monotonic() value, None = no deadline
+
+    def timeout(self, cap_s: float) -> float:
+        """Seconds a call may take now: at most cap_s; DeadlineExceeded once the deadline passed."""
+        if self.at is None:
+            return cap_s
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the request's deadline passed")
+        return min(cap_s, left)
+
+    def check(self) -> None:
+        """DeadlineExceeded once the deadline has passed."""
+        self.timeout(0.0)
+
+
+NO_DEADLINE = Deadline(None)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    cache_key: str  # the model service's KV-cache key ("" = no cache)
+    prefix_token_ids: list[int]
+    num_draft_tokens: int  # K: propose at most this many
+    seed: int  # seeds the K uniforms the draft samples with
+    # [len(prefix) - 1, H]: the target's final hidden states, for a draft conditioned on them.
+    target_hidden: np.ndarray | None = None
+    # Which of the engine's sequences this is (its sample index); never sent over the wire.
+    # Lets an adapter carry per-sequence state from one round's Verify to the next Propose.
+    sequence: int = 0
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    draft_token_ids: list[int]  # [k], k <= K
+    draft_probs: np.ndarray  # [k, V] float32: exactly the law each token was drawn from
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    cache_key: str  # the model service's KV-cache key ("" = no cache)
+    prefix_token_ids: list[int]
+    draft_token_ids: list[int]
+    hidden_from: int | None = None  # also return final hidden states from this position on
+    sequence: int = 0  # as DraftRequest.sequence
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    target_probs: np.ndarray  # [K + 1, V] float32
+    cached_tokens: int = 0
+    hidden: np.ndarray | None = None  # [len(prefix) + K - hidden_from, H], when asked
+
+
+class Drafter(Protocol):
+    def propose(
+        self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline
+    ) -> list[DraftProposal]: ...
+
+
+class Verifier(Protocol):
+    def verify(
+        self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline
+    ) -> list[VerifyResult]: ...

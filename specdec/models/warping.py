@@ -1,0 +1,75 @@
+"""Logits -> laws: the ONE warping both model services apply, and the float32 wire form.
+
+Torch side of the seed's math (`specdec.core.sampling` holds the numpy side).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.core.errors import NonFiniteLogitsError
+from specdec.core.sampling import Sampling
+
+
+def warp_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Logits -> the law both services sample / score with.
+
+    logits: [N, V] raw model logits (any float dtype).
+    Returns [N, V] float64 probabilities, each row summing to 1.
+
+    The ONE warping function of the project: the draft's q and the target's p
+    come from it with the same parameters. Order: temperature, top-k, top-p
+    (as Hugging Face's samplers). Greedy is the one-hot law on the argmax
+    (first index on ties), so speculative greedy is the same algorithm.
+    """
+    logits = logits.to(torch.float64)
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise NonFiniteLogitsError("model produced NaN or +inf logits")
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise NonFiniteLogitsError("model produced a row of all -inf logits")
+    if sampling.greedy:
+        probs = torch.zeros_like(logits)
+        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs
+    scaled = logits / sampling.temperature
+    vocab = scaled.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        # Ties with the k-th value are kept: the cut is a pure function of the logits.
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        probs = _nucleus(probs, sampling.top_p)
+    return probs
+
+
+_NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-probable prefix whose mass reaches top_p (the top token always stays).
+
+    probs: [N, V] float64. The ordering needs only the leading candidates: a partial top-k
+    replaces the full sort whenever the nucleus lies inside them (the usual case), which is
+    ~10x cheaper on a 49k vocabulary. Both paths give the same set.
+    """
+    vocab = probs.shape[-1]
+    candidates = min(vocab, _NUCLEUS_CANDIDATES)
+    sorted_probs, order = torch.topk(probs, candidates, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    if candidates < vocab and not bool((mass_before[..., -1] + sorted_probs[..., -1] >= top_p).all()):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def to_wire(probs: torch.Tensor | np.ndarray) -> np.ndarray:
+    """[N, V] law -> float32 array as sent between services."""
+    if isinstance(probs, torch.Tensor):
+        probs = probs.detach().cpu().numpy()
+    return np.ascontiguousarray(probs, dtype=np.float32)

@@ -1,0 +1,172 @@
+"""Protobuf <-> domain conversions: probability arrays, sampling, and the engine's Propose /
+Verify dataclasses (`specdec.core.protocols`), for both ends of each call."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specdec.core.engine import Stats
+from specdec.core.protocols import DraftProposal, DraftRequest, VerifyRequest, VerifyResult
+from specdec.core.sampling import Sampling
+from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
+
+_DTYPES = {
+    common_pb2.DTYPE_FLOAT32: np.float32,
+    common_pb2.DTYPE_FLOAT64: np.float64,
+    common_pb2.DTYPE_FLOAT16: np.float16,
+}
+
+
+def encode_probs(probs: np.ndarray) -> common_pb2.ProbTensor:
+    """[N, V] float32 array -> ProbTensor (raw bytes; never `repeated float`)."""
+    probs = np.ascontiguousarray(probs, dtype=np.float32)
+    return common_pb2.ProbTensor(data=probs.tobytes(), shape=list(probs.shape), dtype=common_pb2.DTYPE_FLOAT32)
+
+
+def encode_hidden_states(hidden: np.ndarray) -> common_pb2.ProbTensor:
+    """[N, H] hidden states -> float16 ProbTensor: half the bytes, and float16 is what drafts
+    are trained on (the distillation cache stores them so)."""
+    hidden = np.ascontiguousarray(hidden, dtype=np.float16)
+    return common_pb2.ProbTensor(data=hidden.tobytes(), shape=list(hidden.shape), dtype=common_pb2.DTYPE_FLOAT16)
+
+
+def decode_probs(tensor: common_pb2.ProbTensor) -> np.ndarray:
+    """ProbTensor -> read-only numpy array of its shape; ValueError when inconsistent."""
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"unsupported probability dtype {tensor.dtype}")
+    dtype = np.dtype(_DTYPES[tensor.dtype]).newbyteorder("<")
+    shape = tuple(tensor.shape)
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(tensor.data) != expected:
+        raise ValueError(f"probability tensor has {len(tensor.data)} bytes, shape {shape} needs {expected}")
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+
+
+def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
+    """Proto sampling params -> validated Sampling (unset temperature / top_p mean 1)."""
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    sampling = Sampling(temperature=float(temperature), top_k=int(params.top_k), top_p=float(top_p))
+    validate_sampling(sampling)
+    return sampling
+
+
+def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+
+
+def validate_sampling(sampling: Sampling) -> None:
+    """ValueError with a user-facing message for out-of-range sampling parameters."""
+    if not np.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {sampling.temperature}")
+    if sampling.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {sampling.top_k}")
+    if not (0.0 < sampling.top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+
+
+# ---------------------------------------------------------------- Propose
+
+
+def propose_request(requests: list[DraftRequest], sampling: Sampling) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(
+        sequences=[
+            draft_pb2.DraftSequence(
+                cache_key=r.cache_key,
+                prefix_token_ids=r.prefix_token_ids,
+                num_draft_tokens=r.num_draft_tokens,
+                seed=r.seed,
+                target_hidden_states=encode_hidden_states(r.target_hidden) if r.target_hidden is not None else None,
+            )
+            for r in requests
+        ],
+        sampling=sampling_to_proto(sampling),
+    )
+
+
+def propose_response(proposals: list[DraftProposal]) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(
+        proposals=[
+            draft_pb2.Proposal(
+                draft_token_ids=p.draft_token_ids,
+                draft_probs=encode_probs(p.draft_probs),
+                cached_tokens=p.cached_tokens,
+            )
+            for p in proposals
+        ]
+    )
+
+
+def proposals_from_proto(response: draft_pb2.ProposeResponse) -> list[DraftProposal]:
+    """ValueError when a probability tensor is inconsistent."""
+    return [
+        DraftProposal(list(p.draft_token_ids), decode_probs(p.draft_probs), p.cached_tokens) for p in response.proposals
+    ]
+
+
+# ---------------------------------------------------------------- Verify
+
+
+def verify_request(requests: list[VerifyRequest], sampling: Sampling) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        sequences=[
+            target_pb2.VerifySequence(
+                cache_key=r.cache_key,
+                prefix_token_ids=r.prefix_token_ids,
+                draft_token_ids=r.draft_token_ids,
+                hidden_states_from=r.hidden_from,
+            )
+            for r in requests
+        ],
+        sampling=sampling_to_proto(sampling),
+    )
+
+
+def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(
+        verifications=[
+            target_pb2.Verification(
+                target_probs=encode_probs(r.target_probs),
+                cached_tokens=r.cached_tokens,
+                hidden_states=encode_hidden_states(r.hidden) if r.hidden is not None else None,
+            )
+            for r in results
+        ]
+    )
+
+
+def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[VerifyResult]:
+    """ValueError when a tensor is inconsistent."""
+    return [
+        VerifyResult(
+            decode_probs(v.target_probs),
+            v.cached_tokens,
+            decode_probs(v.hidden_states) if v.HasField("hidden_states") else None,
+        )
+        for v in response.verifications
+    ]
+
+
+# ---------------------------------------------------------------- Coordinator
+
+
+def stats_to_proto(stats: Stats, generated_tokens: int) -> coordinator_pb2.GenerationStats:
+    total_s = time.perf_counter() - stats.started
+    return coordinator_pb2.GenerationStats(
+        rounds=stats.rounds,
+        drafted_tokens=stats.drafted_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        acceptance_rate=stats.accepted_tokens / stats.drafted_tokens if stats.drafted_tokens else 0.0,
+        mean_tokens_per_round=stats.emitted_tokens / stats.sample_rounds if stats.sample_rounds else 0.0,
+        draft_time_s=stats.draft_time_s,
+        verify_time_s=stats.verify_time_s,
+        coordinator_time_s=max(0.0, total_s - stats.draft_time_s - stats.verify_time_s),
+        total_time_s=total_s,
+        tokens_per_second=generated_tokens / total_s if total_s > 0 else 0.0,
+        prompt_tokens=stats.prompt_tokens,
+        generated_tokens=generated_tokens,
+        recovered_tokens=stats.recovered_tokens,
+        bonus_tokens=stats.bonus_tokens,
+    )
