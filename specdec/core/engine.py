@@ -103,6 +103,19 @@ class RoundEvent:
     new_tokens: dict[int, list[int]]  # sample index -> tokens appended this round
 
 
+def check_laws(role: str, probs: np.ndarray) -> None:
+    """ServiceError unless every row of `probs` is a law: finite, non-negative, summing to 1.
+
+    A pool that returns anything else (a broken model, a bad replica) must fail the call, not
+    produce tokens that get stored. 1e-4 is far above float32 rounding of a sum of laws.
+    """
+    if not np.isfinite(probs).all() or (probs < 0).any():
+        raise ServiceError(f"the {role} returned laws with NaN, infinite or negative entries")
+    sums = probs.sum(axis=-1, dtype=np.float64)
+    if np.abs(sums - 1.0).max(initial=0.0) > 1e-4:
+        raise ServiceError(f"the {role} returned laws that do not sum to 1 (sums {sums.min():.6g}..{sums.max():.6g})")
+
+
 @dataclass
 class _Draft:
     """One sample's proposal this round (empty when it drafts nothing)."""
@@ -176,6 +189,7 @@ class SpeculativeEngine:
             if len(tokens) > ks[i] or probs.ndim != 2 or probs.shape[0] != len(tokens):
                 raise ServiceError(f"draft returned {len(tokens)} tokens / {probs.shape} for K={ks[i]}")
             if tokens:
+                check_laws("draft", probs)
                 drafts[i] = _Draft(tokens, probs)
         return drafts
 
@@ -216,6 +230,7 @@ class SpeculativeEngine:
         vocab = target_probs.shape[1]
         if draft.probs is not None and draft.probs.shape[1] != vocab:
             raise ServiceError(f"draft and target laws differ in vocabulary size: {draft.probs.shape[1]} vs {vocab}")
+        check_laws("target", target_probs)
         draft_probs = draft.probs if draft.probs is not None else np.empty((0, vocab), np.float32)
         rng = rng_for(spec.seed, sample.index, round_index, _ACCEPT_STREAM)
         return speculative_round(draft.tokens, draft_probs, target_probs, rng)

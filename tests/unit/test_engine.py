@@ -1,0 +1,178 @@
+"""SpeculativeEngine against in-process models (the tiny pair) and deliberate fakes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from draft_service.proposer import LocalDrafter
+from specdec.core.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationSpec,
+    SpeculativeEngine,
+    Stats,
+    new_samples,
+)
+from specdec.core.errors import DeadlineExceeded, InconsistentDraftError, ServiceError
+from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, VerifyResult
+from specdec.core.sampling import Sampling
+from target_service.verifier import LocalVerifier
+
+V = 8  # the tiny models' vocabulary
+
+
+def _decode(ids) -> str:
+    return "".join("abcdefgh"[i] for i in ids)
+
+
+def _run(drafter, verifier, **overrides):
+    fields = dict(
+        context_token_ids=[1, 2, 3], max_new_tokens=12, sampling=Sampling(1.0), seed=5, num_speculative_tokens=3
+    )
+    spec = GenerationSpec(**{**fields, **overrides})
+    engine = SpeculativeEngine(drafter, verifier, _decode)
+    samples, stats = new_samples(spec), Stats()
+    events = list(engine.run(spec, samples, stats, NO_DEADLINE))
+    return samples, stats, events
+
+
+@pytest.fixture(scope="module")
+def local_pair(tiny_loaded):
+    return LocalDrafter(tiny_loaded["draft"].runner), LocalVerifier(tiny_loaded["target"].runner)
+
+
+def _one_hot(token: int) -> np.ndarray:
+    row = np.zeros(V, np.float32)
+    row[token] = 1.0
+    return row
+
+
+class FakeDrafter:
+    """Proposes what `make(request)` returns: (tokens, probs)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def propose(self, requests, sampling, deadline):
+        return [DraftProposal(*self.make(r)) for r in requests]
+
+
+class FakeVerifier:
+    def __init__(self, make):
+        self.make = make
+
+    def verify(self, requests, sampling, deadline):
+        return [VerifyResult(self.make(r)) for r in requests]
+
+
+def _uniform_target(request):
+    return np.full((len(request.draft_token_ids) + 1, V), 1 / V, np.float32)
+
+
+# ------------------------------------------------------------------ with the tiny models
+
+
+def test_greedy_speculation_emits_what_the_target_alone_emits(local_pair):
+    drafter, verifier = local_pair
+    alone, _, _ = _run(drafter, verifier, sampling=Sampling(0.0), num_speculative_tokens=0)
+    for k in (1, 3):
+        speculated, stats, _ = _run(drafter, verifier, sampling=Sampling(0.0), num_speculative_tokens=k)
+        assert speculated[0].generated == alone[0].generated
+        assert stats.drafted_tokens > 0
+
+
+def test_a_seeded_run_repeats_exactly(local_pair):
+    first, _, _ = _run(*local_pair, seed=11)
+    second, _, _ = _run(*local_pair, seed=11)
+    assert first[0].generated == second[0].generated and len(first[0].generated) == 12
+
+
+def test_stats_count_a_round_once_however_many_samples_run(local_pair):
+    samples, stats, events = _run(*local_pair, num_samples=3)
+    assert stats.rounds == len(events)
+    assert stats.sample_rounds == sum(len(e.new_tokens) for e in events) > stats.rounds
+    assert stats.emitted_tokens >= sum(len(s.generated) for s in samples)
+    assert all(s.finish_reason == FINISH_LENGTH for s in samples)
+
+
+def test_a_passed_deadline_stops_an_in_process_call(local_pair):
+    spec = GenerationSpec([1, 2, 3], 8, Sampling(1.0), seed=1, num_speculative_tokens=2)
+    engine = SpeculativeEngine(*local_pair, _decode)
+    with pytest.raises(DeadlineExceeded):
+        list(engine.run(spec, new_samples(spec), Stats(), Deadline(time.monotonic() - 1)))
+
+
+def test_a_drafter_may_propose_fewer_tokens_than_asked(local_pair):
+    """Shorter proposals (none included) keep greedy output equal to the target's."""
+    _, verifier = local_pair
+    alone, _, _ = _run(*local_pair, sampling=Sampling(0.0), num_speculative_tokens=0)
+    lengths = iter([0, 1, 2] * 20)
+
+    def shorter(request):
+        n = next(lengths)  # 0, 1 or 2 of the 3 asked for
+        return [4] * n, np.stack([_one_hot(4)] * n) if n else np.empty((0, V), np.float32)
+
+    short = FakeDrafter(shorter)
+    speculated, stats, _ = _run(short, verifier, sampling=Sampling(0.0), num_speculative_tokens=3)
+    assert speculated[0].generated == alone[0].generated
+    assert stats.drafted_tokens < 3 * stats.rounds
+
+
+def test_a_stop_string_cuts_the_sample_and_its_context():
+    verifier = FakeVerifier(lambda r: np.stack([_one_hot(2)] * (len(r.draft_token_ids) + 1)))  # always "c"
+    drafter = FakeDrafter(lambda r: ([2, 2], np.stack([_one_hot(2)] * 2)))
+    samples, _, _ = _run(drafter, verifier, context_token_ids=[1], stop=("cc",), max_new_tokens=10)
+    (sample,) = samples
+    assert sample.finish_reason == FINISH_STOP and sample.stopped_text == ""
+    assert sample.generated == [2, 2] and sample.context == [1, 2, 2]
+
+
+# ------------------------------------------------------------------ pools that misbehave
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda r: ([1] * (r.num_draft_tokens + 1), np.stack([_one_hot(1)] * (r.num_draft_tokens + 1))), "tokens"),
+        (lambda r: ([1], np.stack([_one_hot(1)] * 2)), "tokens"),
+        (lambda r: ([1], np.full((1, V), np.nan, np.float32)), "NaN"),
+        (lambda r: ([1], np.full((1, V), -0.125, np.float32)), "negative"),
+        (lambda r: ([1], np.full((1, V), 0.5, np.float32)), "sum to 1"),
+        (lambda r: ([1], np.full((1, V + 1), 1 / (V + 1), np.float32)), "vocabulary size"),
+    ],
+)
+def test_a_bad_proposal_is_a_clear_error(make, message):
+    with pytest.raises(ServiceError, match=message):
+        _run(FakeDrafter(make), FakeVerifier(_uniform_target))
+
+
+def test_a_draft_that_claims_q_zero_for_its_own_token_is_an_error():
+    claims_zero = FakeDrafter(lambda r: ([1], _one_hot(2)[None]))
+    with pytest.raises(InconsistentDraftError):
+        _run(claims_zero, FakeVerifier(_uniform_target))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda r: np.full((len(r.draft_token_ids), V), 1 / V, np.float32), "laws for K"),
+        (lambda r: np.full((len(r.draft_token_ids) + 1, V), np.nan, np.float32), "NaN"),
+        (lambda r: np.full((len(r.draft_token_ids) + 1, V), 1.0, np.float32), "sum to 1"),
+    ],
+)
+def test_a_bad_verification_is_a_clear_error(make, message):
+    drafter = FakeDrafter(lambda r: ([1], _one_hot(1)[None]))
+    with pytest.raises(ServiceError, match=message):
+        _run(drafter, FakeVerifier(make))
+
+
+def test_a_pool_that_answers_for_the_wrong_number_of_sequences_is_an_error():
+    class Dropping(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            return super().verify(requests, sampling, deadline)[:-1]
+
+    with pytest.raises(ServiceError, match="results for"):
+        _run(FakeDrafter(lambda r: ([1], _one_hot(1)[None])), Dropping(_uniform_target))
