@@ -120,10 +120,6 @@ class SessionStore:
             updated_at=float(fields.get(b"updated_at", 0.0)),
         )
 
-    def exists(self, session_id: str) -> bool:
-        with self._redis_errors():
-            return bool(self.client.exists(self._key(session_id)))
-
     @contextmanager
     def lease(self, session_id: str) -> Iterator[SessionLease]:
         """Own `session_id` for a block; Aborted if another call owns it."""
