@@ -45,8 +45,9 @@ up: install
 down:
 	$(PY) scripts/stack.py down
 
+# make bench BENCH_ARGS=--in-process (models in one process only); see scripts/bench.py --help.
 bench: install
-	$(PY) scripts/bench.py
+	$(PY) scripts/bench.py $(BENCH_ARGS)
 
 # Distil a small draft for the default target (see README "Drafts").
 draft: install

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec.local_redis import free_port, start_redis, wait_for_redis  # noqa: E402
+from specdec.models.sources import DEFAULT_DRAFT as DEFAULT_DRAFT_SPEC  # noqa: E402
+from specdec.models.sources import DEFAULT_MODEL  # noqa: E402
 
 RUN_DIR = ROOT / ".run"
 STATE = RUN_DIR / "stack.json"
@@ -35,11 +37,11 @@ COORDINATOR_PORT = int(os.environ.get("SPECDEC_COORDINATOR_PORT", "50051"))
 DRAFT_PORT = int(os.environ.get("SPECDEC_DRAFT_PORT", "50052"))
 TARGET_PORT = int(os.environ.get("SPECDEC_TARGET_PORT", "50053"))
 DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences why the sky is blue.")
-DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_TARGET = DEFAULT_MODEL
 # Distilled with `specdec distill` for DEFAULT_TARGET (see docs/drafts.md and its MODEL_CARD.md):
 # 2 layers that also read the target's hidden states (acceptance 0.31 vs 0.26 for the tokens-only
 # drafts/smollm2-135m-instruct-2l it was continued from, at the same cost per step).
-DEFAULT_DRAFT = ROOT / "drafts" / "smollm2-135m-instruct-2l-hidden"
+DEFAULT_DRAFT = Path(DEFAULT_DRAFT_SPEC)
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -6,9 +6,14 @@ import argparse
 import os
 import sys
 
+from collections.abc import Iterator
+from contextlib import ExitStack
+
 import grpc
 
 from specdec.client import FINISH_REASONS, SpecdecClient
+from specdec.core.errors import ServiceError
+from specdec.models.sources import DEFAULT_DRAFT, DEFAULT_MODEL
 
 
 def format_stats(stats, finish_reason: int, session_id: str, seed: int) -> str:
@@ -27,22 +32,41 @@ def format_stats(stats, finish_reason: int, session_id: str, seed: int) -> str:
     )
 
 
+def _chunks(args: argparse.Namespace, kwargs: dict, stack: ExitStack) -> Iterator:
+    """GenerateChunks from the coordinator, or from the pipeline loaded in this process."""
+    if not args.in_process:
+        client = stack.enter_context(SpecdecClient(args.address, timeout_s=args.timeout))
+        return client.stream(args.prompt, **kwargs)
+    if args.session:
+        raise SystemExit("error: --session needs the coordinator (sessions live in its Redis), not --in-process")
+    from specdec.models.openmp_env import set_openmp_defaults
+
+    set_openmp_defaults()  # before torch loads
+    from transformers.utils import logging as hf_logging
+
+    from specdec.inprocess import InProcessPipeline
+
+    hf_logging.disable_progress_bar()  # the completion streams to the same terminal
+
+    return InProcessPipeline(args.target, args.draft or None).stream(args.prompt, **kwargs)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    with SpecdecClient(args.address, timeout_s=args.timeout) as client:
-        kwargs = dict(
-            session_id=args.session or "",
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            num_speculative_tokens=args.k,
-            stop=args.stop or (),
-            ignore_eos=args.ignore_eos,
-            chat=args.chat,
-        )
+    kwargs = dict(
+        session_id=args.session or "",
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_speculative_tokens=args.k,
+        stop=args.stop or (),
+        ignore_eos=args.ignore_eos,
+        chat=args.chat,
+    )
+    with ExitStack() as stack:
         last = None
-        for chunk in client.stream(args.prompt, **kwargs):
+        for chunk in _chunks(args, kwargs, stack):
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -83,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--quiet", action="store_true", help="no stats")
+    gen.add_argument("--in-process", action="store_true", help="load the models here and run without servers or Redis")
+    gen.add_argument("--target", default=DEFAULT_MODEL, help="--in-process: the target model")
+    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="--in-process: the draft model ('' = none, K=0 only)")
     gen.set_defaults(func=_generate)
     session = sub.add_parser("session", help="show or delete a stored session")
     session.add_argument("action", choices=["show", "delete"])
@@ -103,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ServiceError as exc:  # --in-process: the same errors, without a server to turn them into statuses
+        print(f"\nerror: {exc.code}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -22,6 +22,9 @@ PACKAGED_MODELS = {
 }
 ALIASES = {"smollm2": "smollm2-135m-instruct"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The draft distilled for DEFAULT_MODEL that ships in the repository's drafts/ (docs/drafts.md):
+# 2 layers that also read the target's hidden states.
+DEFAULT_DRAFT = str(Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-instruct-2l-hidden")
 # A directory holding this file is a distilled draft (see specdec.models.draft_artifact):
 # trained layers plus a reference to the target whose embedding/norm/head it shares.
 DRAFT_ARTIFACT_MARKER = "specdec_draft.json"

@@ -1,0 +1,62 @@
+"""The whole pipeline in one process: both models loaded here, no servers and no Redis.
+
+It runs the coordinator's own request path (`coordinator.generation.Generator`: validation,
+tokenisation, the engine, text streaming, stats) with in-process drafter and verifier, so the
+only thing it leaves out is the distributed part (gRPC, serialisation, sessions). The ratio of
+the two modes on the same prompts is that part's cost (`make bench --in-process`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from coordinator.generation import Generator
+from coordinator.pools import PoolInfo, check_compatible
+from coordinator.settings import CoordinatorSettings
+from specdec.client import build_request
+from specdec.core.engine import SpeculativeEngine
+from specdec.core.errors import FailedPrecondition
+from specdec.core.protocols import NO_DEADLINE
+from specdec.models.sources import DEFAULT_DRAFT, DEFAULT_MODEL
+from specdec.v1 import coordinator_pb2
+
+
+def _pool_info(target, draft) -> PoolInfo:
+    error = None
+    if draft is not None:
+        try:
+            check_compatible(draft.info, target.info)
+        except FailedPrecondition as exc:
+            error = str(exc)
+    return PoolInfo(target.info, draft.info if draft is not None else None, error)
+
+
+class InProcessPipeline:
+    """`generate` / `stream` as `SpecdecClient` offers them, served by models in this process."""
+
+    def __init__(self, target: str = DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, **coordinator_settings):
+        from draft_service.proposer import LocalDrafter
+        from draft_service.settings import DraftSettings
+        from specdec.models.sources import load_tokenizer
+        from specdec.rpc.model_service import load_model
+        from specdec.settings import load_settings
+        from target_service.settings import TargetSettings
+        from target_service.verifier import LocalVerifier
+
+        self.target = load_model(load_settings(TargetSettings, [], {}, model=target), "target")
+        self.draft = load_model(load_settings(DraftSettings, [], {}, model=draft), "draft") if draft else None
+        self.tokenizer = load_tokenizer(target)
+        pools = _pool_info(self.target, self.draft)
+        drafter = LocalDrafter(self.draft.runner) if self.draft is not None else None
+        engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner), self.decode)
+        settings = CoordinatorSettings(tokenizer=target, **coordinator_settings)
+        self.generator = Generator(settings, engine, lambda deadline, need_draft: pools, self.tokenizer, store=None)
+
+    def decode(self, token_ids) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> coordinator_pb2.GenerateResponse:
+        return self.generator.generate(build_request(prompt, **kwargs), NO_DEADLINE, lambda: True)
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[coordinator_pb2.GenerateChunk]:
+        return self.generator.stream(build_request(prompt, **kwargs), NO_DEADLINE, lambda: True)
