@@ -18,7 +18,7 @@ _INFO_REFRESH_S = 60.0
 @dataclass(frozen=True)
 class PoolInfo:
     target: common_pb2.ModelInfo
-    draft: common_pb2.ModelInfo | None  # None: unreachable or never needed yet
+    draft: common_pb2.ModelInfo | None  # None: not asked for yet (K = 0 requests only)
     compatible_error: str | None  # why speculative rounds are refused, if they are
 
 

@@ -30,7 +30,7 @@ class CoordinatorSettings:
     draft_timeout_s: float = setting(30.0, "DRAFT_TIMEOUT_S", "deadline of one Propose call")
     verify_timeout_s: float = setting(60.0, "VERIFY_TIMEOUT_S", "deadline of one Verify call")
     info_timeout_s: float = setting(10.0, "INFO_TIMEOUT_S", "deadline of one Info call")
-    # 2 is best for the shipped pair (alpha ~0.3, c ~0.23; docs/drafts.md); tune it to your pair.
+    # 1 was the best K for the shipped pair in the last bench (README "Speed, honestly"); tune it to your pair.
     default_num_speculative_tokens: int = setting(1, "DEFAULT_K", "K when a request does not set it")
     max_num_speculative_tokens: int = setting(16, "MAX_K", "largest K a request may ask for")
     default_max_new_tokens: int = setting(

@@ -98,6 +98,8 @@ def read_manifest(directory: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DraftArtifactError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise DraftArtifactError(f"{path}: not a JSON object")
     if manifest.get("format") != ARTIFACT_FORMAT:
         raise DraftArtifactError(f"{path}: format {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
     for key in ("target", "num_layers"):

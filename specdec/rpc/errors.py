@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
-        return grpc.StatusCode[exc.code], str(exc)
+        return grpc.StatusCode.__members__.get(exc.code, grpc.StatusCode.INTERNAL), str(exc)
     log.exception("unhandled error")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
