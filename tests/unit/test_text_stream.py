@@ -25,3 +25,30 @@ def test_channel_targets():
     assert channel_target("dns:///draft.ns.svc:50052") == "dns:///draft.ns.svc:50052"
     assert channel_target("10.0.0.1:1, 10.0.0.2:1") == "ipv4:10.0.0.1:1,10.0.0.2:1"
     assert channel_target("localhost:1,localhost:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
+
+
+def _letters(ids) -> str:
+    return "".join("abcdefgh"[i] for i in ids)
+
+
+def test_stop_point_is_the_earliest_token_count_whose_text_holds_a_stop():
+    from specdec.core.text import stop_point
+
+    assert stop_point(_letters, [0, 1, 2, 1, 2], 0, ("bc",)) == (3, "a")
+    assert stop_point(_letters, [0, 1, 2, 1, 2], 0, ("cb", "bc")) == (3, "a")
+    assert stop_point(_letters, [0, 1, 2], 0, ("x",)) is None
+    assert stop_point(_letters, [0, 1, 2], 0, ()) is None
+
+
+def test_deadline_gives_the_smaller_of_cap_and_time_left_then_raises():
+    import time
+
+    import pytest
+
+    from specdec.core.errors import DeadlineExceeded
+    from specdec.core.protocols import NO_DEADLINE, Deadline
+
+    assert NO_DEADLINE.timeout(5.0) == 5.0
+    assert 0 < Deadline(time.monotonic() + 1.0).timeout(5.0) <= 1.0
+    with pytest.raises(DeadlineExceeded):
+        Deadline(time.monotonic() - 0.1).check()
