@@ -2,3 +2,9 @@
 
 Heavy imports (torch, transformers) happen inside the functions, so `specdec --help` stays fast.
 """
+
+
+class DistillError(ValueError):
+    """Settings that cannot work: a label cache built with other settings, an --init-from artifact
+    with another layer count, a draft and target without a shared tokenizer. The CLI reports it
+    as `error: ...` with exit code 2."""

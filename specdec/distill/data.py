@@ -37,6 +37,8 @@ TASKS = [
     "Create a short quiz about {topic}.",
 ]
 
+# A table, five to a line: easier to scan than one topic per line.
+# fmt: off
 TOPICS = [
     "photosynthesis", "black holes", "the French Revolution", "machine learning", "coffee",
     "volcanoes", "the stock market", "honeybees", "climate change", "the Roman Empire",
@@ -55,6 +57,7 @@ TOPICS = [
     "DNA", "social media", "lighthouses", "mathematics competitions", "the violin",
     "hot air balloons", "glaciers", "electric guitars", "ants", "budgeting",
 ]
+# fmt: on
 
 # Every HOLDOUT_EVERY-th topic is held out of training.
 HOLDOUT_EVERY = 6
@@ -100,12 +103,8 @@ def chat_token_ids(tokenizer, prompt: str) -> list[int]:
 def stdlib_files(seed: int = 0) -> list[Path]:
     """The Python standard library's .py sources (tests excluded), in a seeded order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-        and "idlelib" not in p.parts
-    )
+    skipped = {"site-packages", "test", "tests", "idlelib"}
+    files = sorted(p for p in root.rglob("*.py") if skipped.isdisjoint(p.parts))
     random.Random(seed).shuffle(files)
     return files
 

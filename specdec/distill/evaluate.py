@@ -1,22 +1,25 @@
 """`specdec eval-draft`: how much a draft would pay for a target, measured here.
 
-  alpha   E[sum_x min(p(x), q(x))] over the positions of target samples for held-out chat prompts,
-          p and q warped by the project's warp_logits at the given temperature (exact, full vocab)
-  greedy  how often argmax q == argmax p at those positions
-  c       one cached decode step of the draft / one of the target, through specdec.models.runner.ModelRunner
-          (the code path the model services run), median over `timing_steps` steps
-  bound   Leviathan et al.: expected tokens per round (1 - alpha^(K+1)) / (1 - alpha) and
-          speedup (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)), for K = 1..max_k. For a draft that
-          reads the target's hidden states, steps 2..K (fed the draft's own state) have their own
-          alpha: tokens per round 1 + a1 + a1 a2 + a1 a2^2 + ...
+alpha   E[sum_x min(p(x), q(x))] over the positions of target samples for held-out chat prompts,
+        p and q warped by the project's warp_logits at the given temperature (exact, full vocab)
+greedy  how often argmax q == argmax p at those positions
+c       one cached decode step of the draft / one of the target, through specdec.models.runner.ModelRunner
+        (the code path the model services run), median over `timing_steps` steps
+bound   Leviathan et al.: expected tokens per round (1 - alpha^(K+1)) / (1 - alpha) and
+        speedup (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)), for K = 1..max_k. For a draft that
+        reads the target's hidden states, steps 2..K (fed the draft's own state) have their own
+        alpha: tokens per round 1 + a1 + a1 a2 + a1 a2^2 + ...
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
+
+from specdec.distill import DistillError
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -200,9 +203,11 @@ def eval_draft(
     prompt_texts: list[str] | None = None,
     log=print,
 ) -> dict:
+    """alpha, greedy agreement, c and the Leviathan bound of `draft` for `target` (see the module doc).
+
+    Raises DistillError when the two do not share a tokenizer.
+    """
     from specdec.distill.data import chat_token_ids, heldout_prompts
-    from specdec.models.draft_artifact import needs_target_hidden
-    from specdec.models.loading import eos_token_ids
     from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 
     if threads:
@@ -210,30 +215,12 @@ def eval_draft(
     tokenizer = load_tokenizer(target)
     draft_tokenizer = load_tokenizer(draft)
     if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(draft_tokenizer):
-        raise SystemExit(f"{draft} and {target} do not share a tokenizer: speculative decoding needs one")
+        raise DistillError(f"{draft} and {target} do not share a tokenizer: speculative decoding needs one")
     draft_model, target_model = _load_pair(draft, target, log)
-    eos = eos_token_ids(target_model, tokenizer)
     texts = prompt_texts or heldout_prompts(prompts)
-    reads_hidden = needs_target_hidden(draft_model)
-    alphas: list[float] = []
-    greedy: list[bool] = []
-    later: list[float] = []  # a hidden-state draft's second step
-    per_prompt = []
     started = time.monotonic()
-    for i, text in enumerate(texts):
-        prompt_ids = chat_token_ids(tokenizer, text)
-        ids = sample_continuation(target_model, prompt_ids, max_new_tokens, temperature or 1.0, eos, seed + i)
-        if len(ids) <= len(prompt_ids):
-            continue
-        if reads_hidden:
-            a, g, a2 = hidden_agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
-            later += a2
-        else:
-            a, g = agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
-        alphas += a
-        greedy += g
-        per_prompt.append({"prompt": text, "positions": len(a), "alpha": sum(a) / len(a)})
-        log(f"[{i + 1}/{len(texts)}] alpha {sum(a) / len(a):.3f} over {len(a)} positions: {text}")
+    found = _agreement_over_prompts(draft_model, target_model, tokenizer, texts, max_new_tokens, temperature, seed, log)
+    alphas, greedy, later = found.alphas, found.greedy, found.later
     alpha = sum(alphas) / max(1, len(alphas))
     timing_prompt = chat_token_ids(tokenizer, texts[0])
     target_times = step_seconds(target_model, timing_prompt, timing_steps)
@@ -255,27 +242,69 @@ def eval_draft(
         "threads": torch.get_num_threads(),
         "eval_seconds": time.monotonic() - started,
         "bound": leviathan_table(alpha, c, max_k, alpha_later),
-        "prompts": per_prompt,
+        "prompts": found.per_prompt,
     }
+
+
+@dataclass
+class _Agreement:
+    """Per-position results over all prompts."""
+
+    alphas: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
+    later: list[float] = field(default_factory=list)  # a hidden-state draft's second step
+    per_prompt: list[dict] = field(default_factory=list)
+
+
+def _agreement_over_prompts(
+    draft_model, target_model, tokenizer, texts: list[str], max_new_tokens: int, temperature: float, seed: int, log
+) -> _Agreement:
+    """Sample the target's continuation of each prompt (seed + its index), then score the draft on it."""
+    from specdec.distill.data import chat_token_ids
+    from specdec.models.draft_artifact import needs_target_hidden
+    from specdec.models.loading import eos_token_ids
+
+    eos = eos_token_ids(target_model, tokenizer)
+    reads_hidden = needs_target_hidden(draft_model)
+    found = _Agreement()
+    for i, text in enumerate(texts):
+        prompt_ids = chat_token_ids(tokenizer, text)
+        ids = sample_continuation(target_model, prompt_ids, max_new_tokens, temperature or 1.0, eos, seed + i)
+        if len(ids) <= len(prompt_ids):
+            continue
+        if reads_hidden:
+            a, g, a2 = hidden_agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
+            found.later += a2
+        else:
+            a, g = agreement(draft_model, target_model, ids, len(prompt_ids) - 1, temperature)
+        found.alphas += a
+        found.greedy += g
+        found.per_prompt.append({"prompt": text, "positions": len(a), "alpha": sum(a) / len(a)})
+        log(f"[{i + 1}/{len(texts)}] alpha {sum(a) / len(a):.3f} over {len(a)} positions: {text}")
+    return found
 
 
 def format_report(report: dict) -> str:
     lines = [
         f"draft              {report['draft']}",
         f"target             {report['target']}",
-        f"alpha (T={report['temperature']:g})        {report['alpha']:.4f}   over {report['positions']} positions "
-        f"of target samples for {len(report['prompts'])} held-out prompts",
+        (
+            f"alpha (T={report['temperature']:g})        {report['alpha']:.4f}   over {report['positions']} positions "
+            f"of target samples for {len(report['prompts'])} held-out prompts"
+        ),
         f"greedy agreement   {report['greedy_agreement']:.4f}",
     ]
     later = report.get("alpha_later_steps")
     if later is not None:
         lines.append(f"alpha, steps 2..K  {later:.4f}   (the draft reads its own state, not the target's)")
     lines += [
-        f"step time          draft {report['draft_step_ms']:.2f} ms, target {report['target_step_ms']:.2f} ms "
-        f"({report['threads']} threads)",
+        (
+            f"step time          draft {report['draft_step_ms']:.2f} ms, target {report['target_step_ms']:.2f} ms "
+            f"({report['threads']} threads)"
+        ),
         f"c                  {report['c']:.3f}",
         "",
-        "Leviathan bound (i.i.d. acceptance):" if later is None else "Leviathan bound (first step alpha, then alpha of steps 2..K):",
+        f"Leviathan bound ({'i.i.d. acceptance' if later is None else 'first step alpha, then alpha of steps 2..K'}):",
         "  K   tokens/round   speedup",
     ]
     for row in report["bound"]:

@@ -99,7 +99,12 @@ def load_shards(directory: Path, kinds: tuple[str, ...] | None = None, with_hidd
             hidden = torch.load(hidden_path, weights_only=True)
         shards.append(
             Shard(
-                data["tokens"], data["lengths"], data["topk_ids"], data["topk_probs"], data.get("prompt_lengths"), hidden
+                data["tokens"],
+                data["lengths"],
+                data["topk_ids"],
+                data["topk_probs"],
+                data.get("prompt_lengths"),
+                hidden,
             )
         )
     return shards

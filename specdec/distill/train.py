@@ -1,25 +1,50 @@
 """`specdec distill`: train a small draft for a target on the target's own soft labels.
 
-Pipeline (every phase resumable):
-  1. load the target; label caches for held-out chat prompts, training chat prompts (on-policy
-     samples at temperature 1) and offline text (stdlib sources) - top-k laws per position;
-  2. build the draft: N decoder layers initialised from target layers (chosen by held-out alpha
-     at initialisation unless given), target embedding / final norm / head shared and frozen;
-  3. train the layers on forward KL(p_target || q_draft) at temperature 1 over the cache;
-     held-out alpha and greedy agreement every `eval_every` steps, checkpoint every
-     `checkpoint_every` steps, the artifact rewritten whenever held-out alpha improves.
+Pipeline (every phase resumable), one function per phase, run in order by `distill`:
+  1. labels (`load_teacher`, `build_labels`): load the target; label caches for held-out chat
+     prompts, training chat prompts (on-policy samples at temperature 1) and offline text
+     (stdlib sources) - top-k laws per position;
+  2. draft (`choose_init_layers`, `build_student`): N decoder layers initialised from target
+     layers (chosen by held-out alpha at initialisation unless given), target embedding / final
+     norm / head shared and frozen;
+  3. training (`train_loop`): the layers on forward KL(p_target || q_draft) at temperature 1 over the
+     cache; held-out alpha and greedy agreement every `eval_every` steps
+     (`evaluate_and_publish`), checkpoint every `checkpoint_every` steps (`save_checkpoint`),
+     the artifact rewritten whenever held-out alpha improves;
+  4. `finish`: a last evaluation and checkpoint, summary.json.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from specdec.distill import DistillError, data
+from specdec.distill.labels import Shard, build_cache, build_hidden_cache, load_shards
+from specdec.models.draft_artifact import (
+    CONDITIONING_TARGET_HIDDEN,
+    VocabSubsetHead,
+    apply_head_subset,
+    build_draft,
+    fed_hidden,
+    freeze_shared,
+    fused_inputs,
+    head_token_ids,
+    load_draft_weights,
+    needs_target_hidden,
+    save_draft_artifact,
+    trained_state,
+)
+from specdec.models.loading import eos_token_ids, load_causal_lm, resolve_device, resolve_dtype
+from specdec.models.sources import ALIASES, PACKAGED_MODELS, load_tokenizer, read_manifest, tokenizer_fingerprint
 
 CACHE_VERSION = 1
 
@@ -64,12 +89,9 @@ class DistillConfig:
 
 
 def default_names(cfg: DistillConfig) -> tuple[Path, Path]:
-    from specdec.models.sources import ALIASES, PACKAGED_MODELS
-
+    """(artifact directory, work directory) for `cfg`: the given ones, or named after the target."""
     key = ALIASES.get(cfg.target.lower(), cfg.target.lower())
     short = key if key in PACKAGED_MODELS else Path(cfg.target.rstrip("/")).stem or "target"
-    from specdec.models.draft_artifact import CONDITIONING_TARGET_HIDDEN
-
     name = f"{short}-{cfg.num_layers}l" + ("-hidden" if cfg.conditioning == CONDITIONING_TARGET_HIDDEN else "")
     out = Path(cfg.out) if cfg.out else Path("drafts") / name
     work = Path(cfg.work_dir) if cfg.work_dir else Path(".run") / "distill" / name
@@ -128,7 +150,7 @@ class Batches:
         self.items = [(s, r) for s, shard in enumerate(shards) for r in range(shard.tokens.shape[0])]
         self.items = [(s, r) for s, r in self.items if int(shards[s].lengths[r]) - 1 > shards[s].first_label(r)]
         if not self.items:
-            raise ValueError("the label cache holds no training rows")
+            raise DistillError("the label cache holds no training rows")
         self.batch_size = batch_size
         self.seed = seed
         self._epoch = -1
@@ -193,8 +215,6 @@ def draft_outputs_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hi
     (zeros at 0): the label at t is the law the target computed from its state at t, which the
     draft's own state there learns to match.
     """
-    from specdec.models.draft_artifact import VocabSubsetHead, fed_hidden, fused_inputs, needs_target_hidden
-
     if needs_target_hidden(draft):
         if target_hidden is None:
             raise ValueError("this draft reads the target's hidden states: the label cache has none")
@@ -212,8 +232,6 @@ def draft_outputs_at(draft, tokens: torch.Tensor, valid: torch.Tensor, target_hi
 
 def label_columns(draft, topk_ids: torch.Tensor) -> torch.Tensor:
     """Token ids -> columns of `draft_logits_at`'s output (identity for a full head)."""
-    from specdec.models.draft_artifact import VocabSubsetHead
-
     head = draft.get_output_embeddings()
     return head.column_of[topk_ids] if isinstance(head, VocabSubsetHead) else topk_ids
 
@@ -226,7 +244,9 @@ def choose_head_tokens(shards, size: int, always: list[int], vocab_size: int) ->
         for row in range(shard.tokens.shape[0]):
             lo, hi = shard.first_label(row), int(shard.lengths[row]) - 1
             if hi > lo:
-                mass.index_add_(0, shard.topk_ids[row, lo:hi].long().flatten(), shard.topk_probs[row, lo:hi].double().flatten())
+                mass.index_add_(
+                    0, shard.topk_ids[row, lo:hi].long().flatten(), shard.topk_probs[row, lo:hi].double().flatten()
+                )
     forced = sorted({int(t) for t in always if 0 <= int(t) < vocab_size})
     mass[forced] = float("inf")
     size = min(vocab_size, max(size, len(forced)))
@@ -235,6 +255,8 @@ def choose_head_tokens(shards, size: int, always: list[int], vocab_size: int) ->
 
 @torch.no_grad()
 def evaluate(draft, shards, device, batch_size: int = 8, autocast=None) -> dict[str, float]:
+    """Held-out alpha, greedy agreement and KL (`topk_metrics`) over every label position of `shards`."""
+    autocast = autocast or autocast_for(device)
     was_training = draft.training
     draft.eval()
     totals = {"alpha": 0.0, "greedy": 0.0, "kl": 0.0, "positions": 0}
@@ -270,7 +292,153 @@ def lr_at(step: int, cfg: DistillConfig, time_fraction: float = 0.0) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-# ---------------------------------------------------------------- the run
+# ---------------------------------------------------------------- setup
+
+
+def setup_torch(cfg: DistillConfig) -> torch.device:
+    """Threads and seeds for the run; returns the device it trains on."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    return resolve_device(cfg.device)
+
+
+def autocast_for(device: torch.device) -> Callable:
+    """A context factory for the draft's forward passes: bfloat16 autocast on CUDA, float32 on CPU."""
+    if device.type == "cuda":
+        return functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    return functools.partial(torch.autocast, "cpu", enabled=False)
+
+
+# ---------------------------------------------------------------- phase 1: the target and its labels
+
+
+def open_label_cache(cfg: DistillConfig, work_dir: Path) -> Path:
+    """The label cache directory in `work_dir`, stamped with the settings its shards depend on.
+
+    Raises DistillError when the cache there was built with other settings: resuming it would mix
+    shards of two different label sets.
+    """
+    cache_dir = work_dir / "labels"
+    meta_path = cache_dir / "cache.json"
+    cache_meta = {
+        "version": CACHE_VERSION,
+        "target": cfg.target,
+        "top_k": cfg.top_k,
+        "seed": cfg.seed,
+        "max_new_tokens": cfg.max_new_tokens,
+        "text_len": cfg.text_len,
+        "shard_size": cfg.shard_size,
+    }
+    if meta_path.exists() and json.loads(meta_path.read_text()) != cache_meta:
+        raise DistillError(f"{cache_dir} was built with other settings ({meta_path}); remove it or pick --work-dir")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(cache_meta, indent=2))
+    return cache_dir
+
+
+@dataclass
+class Teacher:
+    """The target with what labelling and the draft's construction need from it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    eos: list[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+
+def load_teacher(cfg: DistillConfig, device: torch.device, log) -> Teacher:
+    """Load the target (bfloat16 on CUDA, float32 on CPU) and its tokenizer."""
+    log(f"loading target {cfg.target} on {device}")
+    started = time.monotonic()
+    model, _ = load_causal_lm(cfg.target, dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
+    tokenizer = load_tokenizer(cfg.target)
+    teacher = Teacher(model, tokenizer, tokenizer_fingerprint(tokenizer), eos_token_ids(model, tokenizer))
+    log(f"target loaded in {time.monotonic() - started:.1f}s ({model.config.num_hidden_layers} layers)")
+    return teacher
+
+
+@dataclass
+class LabelSet:
+    """The label cache as training reads it, and what this run added to it."""
+
+    heldout: list[Shard]
+    train: list[Shard]
+    train_positions: int
+    new_tokens: int  # labels written by this run
+    seconds: float  # this run's labelling time
+
+
+def build_labels(cfg: DistillConfig, cache_dir: Path, teacher: Teacher, log) -> LabelSet:
+    """Phase 1: fill the label cache (held-out first, then training shards) and load it.
+
+    Shards already on disk are kept, so a rerun only labels what is missing. A draft that reads the
+    target's states also gets the target's hidden states for every shard.
+    """
+    started = time.monotonic()
+    deadline = started + cfg.label_seconds if cfg.label_seconds else None
+    common = {
+        "target": teacher.model,
+        "tokenizer": teacher.tokenizer,
+        "shard_size": cfg.shard_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "top_k": min(cfg.top_k, teacher.vocab_size),
+        "seed": cfg.seed,
+        "eos_ids": teacher.eos,
+        "progress": cfg.progress,
+        "log": log,
+    }
+    heldout_prompts = data.heldout_prompts(cfg.heldout_sequences)
+    build_cache(cache_dir, kind="heldout", prompts=heldout_prompts, sequences=cfg.heldout_sequences, **common)
+    new_tokens = _label_training_shards(cfg, cache_dir, teacher.tokenizer, common, deadline, log)
+    seconds = time.monotonic() - started
+    reads_hidden = cfg.conditioning == CONDITIONING_TARGET_HIDDEN
+    if reads_hidden:
+        build_hidden_cache(cache_dir, teacher.model, progress=cfg.progress, log=log)
+    heldout = load_shards(cache_dir, ("heldout",), with_hidden=reads_hidden)
+    train_shards = load_shards(cache_dir, ("chat", "text"), with_hidden=reads_hidden)
+    labels = LabelSet(heldout, train_shards, sum(s.label_count for s in train_shards), new_tokens, seconds)
+    log(
+        f"label cache: {labels.train_positions} training positions in {len(train_shards)} shards, "
+        f"{sum(s.label_count for s in heldout)} held-out; {new_tokens} new this run in {seconds:.0f}s"
+    )
+    return labels
+
+
+def _label_training_shards(cfg: DistillConfig, cache_dir: Path, tokenizer, common: dict, deadline, log) -> int:
+    """The chat and text training shards, one of each in turn, until done or past `deadline`.
+
+    Returns the labels written now. Interleaved so that a time budget still yields a mix.
+    """
+    windows = list(data.text_windows(tokenizer, cfg.text_len, cfg.text_sequences, cfg.seed))
+    prompts = data.train_prompts(cfg.seed)
+    chat_shards = (cfg.chat_sequences + cfg.shard_size - 1) // cfg.shard_size
+    text_shards = (len(windows) + cfg.shard_size - 1) // cfg.shard_size
+    written = 0
+    for step in range(max(chat_shards, text_shards)):
+        for kind, total, n_shards in (("chat", cfg.chat_sequences, chat_shards), ("text", len(windows), text_shards)):
+            if step < n_shards:
+                written += build_cache(
+                    cache_dir,
+                    kind=kind,
+                    prompts=prompts,
+                    windows=windows,
+                    sequences=min(total, (step + 1) * cfg.shard_size),
+                    deadline=deadline,
+                    **{**common, "progress": False},
+                )
+        if deadline is not None and time.monotonic() > deadline:
+            log("label time budget reached")
+            break
+    return written
+
+
+# ---------------------------------------------------------------- phase 2: the draft
 
 
 def init_candidates(num_layers: int, n_target: int) -> list[list[int]]:
@@ -290,280 +458,335 @@ def init_candidates(num_layers: int, n_target: int) -> list[list[int]]:
     return unique
 
 
-def distill(cfg: DistillConfig, log=print) -> dict:
-    """Run (or resume) a distillation; returns a summary dict (also in the artifact manifest)."""
-    from tqdm.auto import tqdm
+def choose_init_layers(cfg: DistillConfig, teacher: Teacher, heldout, checkpoint, device, autocast, log) -> list[int]:
+    """Phase 2a: the target layers the draft starts from.
 
-    from specdec.distill import data
-    from specdec.distill.labels import build_cache, build_hidden_cache, load_shards
-    from specdec.models.draft_artifact import (
-        CONDITIONING_TARGET_HIDDEN,
-        apply_head_subset,
-        build_draft,
-        freeze_shared,
-        head_token_ids,
-        load_draft_weights,
-        save_draft_artifact,
-        trained_state,
-    )
-    from specdec.models.loading import eos_token_ids, load_causal_lm, resolve_device, resolve_dtype
-    from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    use_cuda = device.type == "cuda"
-
-    def autocast():
-        if use_cuda:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
-
-    out_dir, work_dir = default_names(cfg)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = work_dir / "labels"
-    meta_path = cache_dir / "cache.json"
-    cache_meta = {
-        "version": CACHE_VERSION,
-        "target": cfg.target,
-        "top_k": cfg.top_k,
-        "seed": cfg.seed,
-        "max_new_tokens": cfg.max_new_tokens,
-        "text_len": cfg.text_len,
-        "shard_size": cfg.shard_size,
-    }
-    if meta_path.exists() and json.loads(meta_path.read_text()) != cache_meta:
-        raise SystemExit(f"{cache_dir} was built with other settings ({meta_path}); remove it or pick --work-dir")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(cache_meta, indent=2))
-
-    log(f"loading target {cfg.target} on {device}")
-    started_load = time.monotonic()
-    target, _ = load_causal_lm(cfg.target, dtype="bfloat16" if use_cuda else "float32", device=str(device))
-    tokenizer = load_tokenizer(cfg.target)
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    eos = eos_token_ids(target, tokenizer)
-    log(f"target loaded in {time.monotonic() - started_load:.1f}s ({target.config.num_hidden_layers} layers)")
-
-    # ---- 1. labels
-    label_started = time.monotonic()
-    deadline = label_started + cfg.label_seconds if cfg.label_seconds else None
-    common = dict(
-        target=target,
-        tokenizer=tokenizer,
-        shard_size=cfg.shard_size,
-        max_new_tokens=cfg.max_new_tokens,
-        top_k=min(cfg.top_k, int(target.config.vocab_size)),
-        seed=cfg.seed,
-        eos_ids=eos,
-        progress=cfg.progress,
-        log=log,
-    )
-    build_cache(
-        cache_dir, kind="heldout", prompts=data.heldout_prompts(cfg.heldout_sequences),
-        sequences=cfg.heldout_sequences, **common,
-    )
-    # Chat and text shards interleave so a time budget still yields a mix.
-    windows = list(data.text_windows(tokenizer, cfg.text_len, cfg.text_sequences, cfg.seed))
-    prompts = data.train_prompts(cfg.seed)
-    chat_shards = (cfg.chat_sequences + cfg.shard_size - 1) // cfg.shard_size
-    text_shards = (len(windows) + cfg.shard_size - 1) // cfg.shard_size
-    label_tokens = 0
-    for step in range(max(chat_shards, text_shards)):
-        for kind, total, n_shards in (("chat", cfg.chat_sequences, chat_shards), ("text", len(windows), text_shards)):
-            if step < n_shards:
-                label_tokens += build_cache(
-                    cache_dir, kind=kind, prompts=prompts, windows=windows,
-                    sequences=min(total, (step + 1) * cfg.shard_size), deadline=deadline,
-                    **{**common, "progress": False},
-                )
-        if deadline is not None and time.monotonic() > deadline:
-            log("label time budget reached")
-            break
-    label_seconds = time.monotonic() - label_started
-    reads_hidden = cfg.conditioning == CONDITIONING_TARGET_HIDDEN
-    if reads_hidden:
-        build_hidden_cache(cache_dir, target, progress=cfg.progress, log=log)
-    heldout = load_shards(cache_dir, ("heldout",), with_hidden=reads_hidden)
-    train_shards = load_shards(cache_dir, ("chat", "text"), with_hidden=reads_hidden)
-    n_train_labels = sum(s.label_count for s in train_shards)
-    log(
-        f"label cache: {n_train_labels} training positions in {len(train_shards)} shards, "
-        f"{sum(s.label_count for s in heldout)} held-out; {label_tokens} new this run in {label_seconds:.0f}s"
-    )
-
-    # ---- 2. draft
-    ckpt_path = work_dir / "checkpoint.pt"
-    state = None
-    if cfg.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
-        init_layers = state["init_layers"]
-        log(f"resuming from {ckpt_path} at step {state['step']}")
-    elif cfg.init_from:
-        from specdec.models.draft_artifact import read_manifest
-
+    In order: the checkpoint's (resume), the --init-from artifact's, the given ones; for a draft that
+    reads the target's states, the target's last layers; otherwise the best candidate by held-out alpha.
+    Raises DistillError when the --init-from artifact has another layer count.
+    """
+    if checkpoint is not None:
+        return checkpoint["init_layers"]
+    if cfg.init_from:
         manifest = read_manifest(cfg.init_from)
         if int(manifest["num_layers"]) != cfg.num_layers:
-            raise SystemExit(f"--init-from {cfg.init_from} has {manifest['num_layers']} layers, not {cfg.num_layers}")
-        init_layers = [int(i) for i in manifest.get("init_layers") or range(cfg.num_layers)]
-    elif cfg.init_layers:
-        init_layers = list(cfg.init_layers)
-    elif reads_hidden:
+            raise DistillError(f"--init-from {cfg.init_from} has {manifest['num_layers']} layers, not {cfg.num_layers}")
+        return [int(i) for i in manifest.get("init_layers") or range(cfg.num_layers)]
+    if cfg.init_layers:
+        return list(cfg.init_layers)
+    n_target = int(teacher.model.config.num_hidden_layers)
+    if cfg.conditioning == CONDITIONING_TARGET_HIDDEN:
         # Its input is (close to) the target's last state: start from the layers that read such states.
-        n_target = int(target.config.num_hidden_layers)
-        init_layers = list(range(n_target - cfg.num_layers, n_target))
-    else:
-        best = None
-        for cand in init_candidates(cfg.num_layers, int(target.config.num_hidden_layers)):
-            trial = build_draft(target, cfg.num_layers, cand).to(device)
-            m = evaluate(trial, heldout, device, autocast=autocast)
-            log(f"init layers {cand}: held-out alpha {m['alpha']:.3f}, greedy {m['greedy']:.3f}")
-            if best is None or m["alpha"] > best[0]:
-                best = (m["alpha"], cand)
-            del trial
-        init_layers = best[1]
-    draft = build_draft(target, cfg.num_layers, init_layers, cfg.conditioning)
-    if state is None and cfg.init_from:
+        return list(range(n_target - cfg.num_layers, n_target))
+    return best_init_layers(cfg.num_layers, teacher.model, heldout, device, autocast, log)
+
+
+def best_init_layers(num_layers: int, target, heldout, device, autocast, log) -> list[int]:
+    """The `init_candidates` choice with the highest held-out alpha at initialisation (first on ties)."""
+    best = None
+    for cand in init_candidates(num_layers, int(target.config.num_hidden_layers)):
+        trial = build_draft(target, num_layers, cand).to(device)
+        m = evaluate(trial, heldout, device, autocast=autocast)
+        log(f"init layers {cand}: held-out alpha {m['alpha']:.3f}, greedy {m['greedy']:.3f}")
+        if best is None or m["alpha"] > best[0]:
+            best = (m["alpha"], cand)
+        del trial
+    return best[1]
+
+
+def build_student(cfg: DistillConfig, teacher: Teacher, train_shards, init_layers, checkpoint, device, log):
+    """Phase 2b: the draft on `device` with its head (full or a vocabulary subset), shared parts frozen.
+
+    Its trained weights are the target's layers, or the --init-from artifact's; a checkpoint's are
+    loaded later, by `restore`, together with the optimizer.
+    """
+    draft = build_draft(teacher.model, cfg.num_layers, init_layers, cfg.conditioning)
+    if checkpoint is None and cfg.init_from:
         load_draft_weights(draft, cfg.init_from)  # also takes the artifact's head subset, if any
         log(f"starting from the layers of {cfg.init_from}")
-    # A resumed run keeps its checkpoint's head; an --init-from artifact brought its own.
-    head_ids = state.get("head_token_ids") if state is not None else None
-    vocab_size = int(target.config.vocab_size)
-    if state is None and head_token_ids(draft) is None and 0 < cfg.head_tokens < vocab_size:
-        special = list(getattr(tokenizer, "all_special_ids", []) or [])
-        head_ids = choose_head_tokens(train_shards, cfg.head_tokens, eos + special, vocab_size)
+    head_ids = _head_subset(cfg, teacher, draft, train_shards, checkpoint)
     if head_ids is not None:
         apply_head_subset(draft, head_ids)
     if head_token_ids(draft) is not None:
         log(f"vocabulary-subset head: {head_token_ids(draft).numel()} tokens")
     draft = draft.to(device)
     freeze_shared(draft)
-    target_spec = cfg.target
-    del target
-    if use_cuda:
-        torch.cuda.empty_cache()
+    return draft
+
+
+def _head_subset(cfg: DistillConfig, teacher: Teacher, draft, train_shards, checkpoint) -> torch.Tensor | None:
+    """The token subset to give the draft's head now; None keeps the head it has."""
+    # A resumed run keeps its checkpoint's head; an --init-from artifact brought its own.
+    if checkpoint is not None:
+        return checkpoint.get("head_token_ids")
+    if head_token_ids(draft) is None and 0 < cfg.head_tokens < teacher.vocab_size:
+        special = list(getattr(teacher.tokenizer, "all_special_ids", []) or [])
+        return choose_head_tokens(train_shards, cfg.head_tokens, teacher.eos + special, teacher.vocab_size)
+    return None
+
+
+# ---------------------------------------------------------------- phase 3: the loop's state and checkpoints
+
+
+@dataclass
+class TrainState:
+    """What the training loop carries from step to step; a checkpoint saves and restores it."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+    best_alpha: float = -1.0
+    history: list[dict] = field(default_factory=list)  # evaluations, and the loss every 10 steps
+
+
+@dataclass
+class Run:
+    """What stays fixed while the draft trains."""
+
+    cfg: DistillConfig
+    draft: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]  # the trained ones: the rest is shared with the target and frozen
+    heldout: list[Shard]
+    device: torch.device
+    autocast: Callable
+    out_dir: Path
+    checkpoint_path: Path
+    init_layers: list[int]
+    fingerprint: str  # the target tokenizer's, recorded in the artifact
+    label_positions: int
+    log: Callable[[str], object]
+
+
+def make_optimizer(cfg: DistillConfig, draft) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """AdamW over the draft's trainable parameters; returns (those parameters, the optimizer)."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    step, train_seconds, tokens_seen, best_alpha, history = 0, 0.0, 0, -1.0, []
-    if state is not None:
-        draft.load_state_dict(state["layers"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        step, train_seconds = state["step"], state["train_seconds"]
-        tokens_seen, best_alpha, history = state["tokens_seen"], state["best_alpha"], state["history"]
-        torch.set_rng_state(state["torch_rng"])
+    return params, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
-    batches = Batches(train_shards, cfg.batch_size, cfg.seed)
 
-    def summary(metrics: dict) -> dict:
-        return {
-            "target": target_spec,
-            "steps": step,
-            "train_tokens": tokens_seen,
-            "train_seconds": round(train_seconds, 1),
-            "label_positions": n_train_labels,
-            "heldout_alpha_topk": round(metrics["alpha"], 4),
-            "heldout_greedy_agreement": round(metrics["greedy"], 4),
-            "heldout_kl": round(metrics.get("kl", float("nan")), 4),
-            "heldout_positions": metrics["positions"],
-            "init_layers": init_layers,
-            "init_from": cfg.init_from,
-            "conditioning": cfg.conditioning,
-            "head_tokens": None if head_token_ids(draft) is None else int(head_token_ids(draft).numel()),
-            "device": str(device),
-            "threads": torch.get_num_threads(),
-            "config": {k: v for k, v in asdict(cfg).items() if k not in ("extra", "progress")},
-            "history": history[-50:],
-        }
+def load_checkpoint(path: Path, resume: bool, log) -> dict | None:
+    """The checkpoint at `path` when resuming and there is one; None starts afresh."""
+    if not (resume and path.exists()):
+        return None
+    checkpoint = torch.load(path, weights_only=False)
+    log(f"resuming from {path} at step {checkpoint['step']}")
+    return checkpoint
 
-    def save_checkpoint() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "step": step,
-                "layers": trained_state(draft),
-                "optimizer": optimizer.state_dict(),
-                "init_layers": init_layers,
-                "train_seconds": train_seconds,
-                "tokens_seen": tokens_seen,
-                "best_alpha": best_alpha,
-                "history": history,
-                "torch_rng": torch.get_rng_state(),
-                "head_token_ids": None if head_token_ids(draft) is None else head_token_ids(draft).cpu(),
-            },
-            tmp,
+
+def restore(checkpoint: dict | None, draft, optimizer) -> TrainState:
+    """The loop's starting state; from a checkpoint, also its weights, optimizer state and torch RNG."""
+    if checkpoint is None:
+        return TrainState()
+    draft.load_state_dict(checkpoint["layers"], strict=False)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state = TrainState(
+        step=checkpoint["step"],
+        train_seconds=checkpoint["train_seconds"],
+        tokens_seen=checkpoint["tokens_seen"],
+        best_alpha=checkpoint["best_alpha"],
+        history=checkpoint["history"],
+    )
+    # The RNG too, so that a resumed run draws what an uninterrupted one would have.
+    torch.set_rng_state(checkpoint["torch_rng"])
+    return state
+
+
+def save_checkpoint(run: Run, state: TrainState) -> None:
+    """Write the checkpoint `restore` reads; through a temporary file, so a crash keeps the last one."""
+    head = head_token_ids(run.draft)
+    tmp = run.checkpoint_path.with_suffix(".tmp")
+    torch.save(
+        {
+            "step": state.step,
+            "layers": trained_state(run.draft),
+            "optimizer": run.optimizer.state_dict(),
+            "init_layers": run.init_layers,
+            "train_seconds": state.train_seconds,
+            "tokens_seen": state.tokens_seen,
+            "best_alpha": state.best_alpha,
+            "history": state.history,
+            "torch_rng": torch.get_rng_state(),
+            "head_token_ids": None if head is None else head.cpu(),
+        },
+        tmp,
+    )
+    tmp.replace(run.checkpoint_path)
+
+
+# ---------------------------------------------------------------- held-out evaluation and the artifact
+
+
+def summary(run: Run, state: TrainState, metrics: dict) -> dict:
+    """The run as it stands, with held-out `metrics`: the artifact manifest's info and the result."""
+    head = head_token_ids(run.draft)
+    return {
+        "target": run.cfg.target,
+        "steps": state.step,
+        "train_tokens": state.tokens_seen,
+        "train_seconds": round(state.train_seconds, 1),
+        "label_positions": run.label_positions,
+        "heldout_alpha_topk": round(metrics["alpha"], 4),
+        "heldout_greedy_agreement": round(metrics["greedy"], 4),
+        "heldout_kl": round(metrics.get("kl", float("nan")), 4),
+        "heldout_positions": metrics["positions"],
+        "init_layers": run.init_layers,
+        "init_from": run.cfg.init_from,
+        "conditioning": run.cfg.conditioning,
+        "head_tokens": None if head is None else int(head.numel()),
+        "device": str(run.device),
+        "threads": torch.get_num_threads(),
+        "config": {k: v for k, v in asdict(run.cfg).items() if k not in ("extra", "progress")},
+        "history": state.history[-50:],
+    }
+
+
+def evaluate_and_publish(run: Run, state: TrainState) -> dict:
+    """Held-out metrics now, added to the history; a new best alpha rewrites the artifact."""
+    m = evaluate(run.draft, run.heldout, run.device, autocast=run.autocast)
+    state.history.append(
+        {"step": state.step, "tokens": state.tokens_seen, "seconds": round(state.train_seconds, 1), **m}
+    )
+    run.log(
+        f"step {state.step} ({state.tokens_seen} tokens, {state.train_seconds:.0f}s): held-out alpha "
+        f"{m['alpha']:.4f}, greedy agreement {m['greedy']:.4f}, KL {m['kl']:.4f}"
+    )
+    if m["alpha"] > state.best_alpha:
+        state.best_alpha = m["alpha"]
+        save_draft_artifact(
+            run.out_dir,
+            run.draft,
+            run.cfg.target,
+            run.init_layers,
+            run.fingerprint,
+            weights_dtype=resolve_dtype(run.cfg.weights_dtype),
+            info=summary(run, state, m),
         )
-        tmp.replace(ckpt_path)
+    return m
 
-    def eval_and_save() -> dict:
-        nonlocal best_alpha
-        m = evaluate(draft, heldout, device, autocast=autocast)
-        history.append({"step": step, "tokens": tokens_seen, "seconds": round(train_seconds, 1), **m})
-        log(
-            f"step {step} ({tokens_seen} tokens, {train_seconds:.0f}s): held-out alpha {m['alpha']:.4f}, "
-            f"greedy agreement {m['greedy']:.4f}, KL {m['kl']:.4f}"
-        )
-        if m["alpha"] > best_alpha:
-            best_alpha = m["alpha"]
-            save_draft_artifact(
-                out_dir, draft, target_spec, init_layers, fingerprint,
-                weights_dtype=resolve_dtype(cfg.weights_dtype), info=summary(m),
-            )
-        return m
 
-    # ---- 3. train
-    if step == 0:
-        eval_and_save()
-    draft.train()
+# ---------------------------------------------------------------- phase 3: the training loop
+
+
+def train_step(run: Run, batch, lr: float) -> tuple[torch.Tensor, int]:
+    """One optimizer step on `batch` (from `Batches.batch`) at `lr`; returns (its loss, its label positions)."""
+    cfg, device = run.cfg, run.device
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    tokens, valid, ids, probs, hidden = batch
+    tokens, valid = tokens.to(device), valid.to(device)
+    hidden = hidden.to(device) if hidden is not None else None
+    with run.autocast():
+        logits, states = draft_outputs_at(run.draft, tokens, valid, hidden)
+    loss = topk_kl(logits, label_columns(run.draft, ids.to(device)[valid]), probs.to(device)[valid]).mean()
+    if hidden is not None and cfg.hidden_loss_weight:
+        # Also match the target's state itself: steps 2..K feed the draft's own state back in.
+        loss = loss + cfg.hidden_loss_weight * torch.nn.functional.smooth_l1_loss(states.float(), hidden[valid])
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip)
+    run.optimizer.step()
+    return loss, int(valid.sum())
+
+
+def train_loop(run: Run, state: TrainState, batches: Batches) -> dict | None:
+    """Phase 3: steps until `cfg.steps` or this run's `max_seconds`, evaluating and checkpointing on schedule.
+
+    Returns the metrics of the loop's last evaluation; without one, the last history entry (None if empty).
+    """
+    from tqdm.auto import tqdm
+
+    cfg = run.cfg
+    run.draft.train()
     run_started = time.monotonic()
-    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not cfg.progress)
-    last_metrics = history[-1] if history else None
-    while step < cfg.steps:
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="distill", unit="step", disable=not cfg.progress)
+    last_metrics = state.history[-1] if state.history else None
+    while state.step < cfg.steps:
         if cfg.max_seconds is not None and time.monotonic() - run_started > cfg.max_seconds:
-            log(f"time budget reached at step {step}")
+            run.log(f"time budget reached at step {state.step}")
             break
         t0 = time.monotonic()
         time_fraction = (time.monotonic() - run_started) / cfg.max_seconds if cfg.max_seconds else 0.0
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg, time_fraction)
-        tokens, valid, ids, probs, hidden = batches.batch(step)
-        tokens, valid = tokens.to(device), valid.to(device)
-        hidden = hidden.to(device) if hidden is not None else None
-        with autocast():
-            logits, states = draft_outputs_at(draft, tokens, valid, hidden)
-        loss = topk_kl(logits, label_columns(draft, ids.to(device)[valid]), probs.to(device)[valid]).mean()
-        if hidden is not None and cfg.hidden_loss_weight:
-            # Also match the target's state itself: steps 2..K feed the draft's own state back in.
-            loss = loss + cfg.hidden_loss_weight * torch.nn.functional.smooth_l1_loss(states.float(), hidden[valid])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        tokens_seen += int(valid.sum())
-        train_seconds += time.monotonic() - t0
+        loss, positions = train_step(run, batches.batch(state.step), lr_at(state.step, cfg, time_fraction))
+        state.step += 1
+        state.tokens_seen += positions
+        state.train_seconds += time.monotonic() - t0
         loss_value = float(loss.detach())
-        if step % 10 == 0:
-            history.append({"step": step, "loss": round(loss_value, 5)})
+        if state.step % 10 == 0:
+            state.history.append({"step": state.step, "loss": round(loss_value, 5)})
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.3f}", alpha=f"{best_alpha:.3f}", tok=tokens_seen)
-        if step % cfg.eval_every == 0:
-            last_metrics = eval_and_save()
-        if step % cfg.checkpoint_every == 0:
-            save_checkpoint()
+        bar.set_postfix(loss=f"{loss_value:.3f}", alpha=f"{state.best_alpha:.3f}", tok=state.tokens_seen)
+        if state.step % cfg.eval_every == 0:
+            last_metrics = evaluate_and_publish(run, state)
+        if state.step % cfg.checkpoint_every == 0:
+            save_checkpoint(run, state)
     bar.close()
-    if not last_metrics or last_metrics.get("step") != step or "alpha" not in last_metrics:
-        last_metrics = eval_and_save()
-    save_checkpoint()
-    result = summary(last_metrics)
-    result["best_heldout_alpha_topk"] = round(best_alpha, 4)
-    result["artifact"] = str(out_dir)
-    result["label_seconds_this_run"] = round(label_seconds, 1)
+    return last_metrics
+
+
+def finish(run: Run, state: TrainState, last_metrics: dict | None, labels: LabelSet, work_dir: Path) -> dict:
+    """Phase 4: evaluate the final step, checkpoint it, write summary.json."""
+    # Meant to skip the evaluation when the loop just made it, but evaluation metrics carry no "step",
+    # so the last step is evaluated twice (two history entries). Kept: results match earlier runs.
+    if not last_metrics or last_metrics.get("step") != state.step or "alpha" not in last_metrics:
+        last_metrics = evaluate_and_publish(run, state)
+    save_checkpoint(run, state)
+    result = summary(run, state, last_metrics)
+    result["best_heldout_alpha_topk"] = round(state.best_alpha, 4)
+    result["artifact"] = str(run.out_dir)
+    result["label_seconds_this_run"] = round(labels.seconds, 1)
     (work_dir / "summary.json").write_text(json.dumps(result, indent=2))
-    log(
-        f"done: {step} steps, {tokens_seen} tokens, {train_seconds:.0f}s training; best held-out alpha "
-        f"{best_alpha:.4f}; artifact {out_dir}"
+    run.log(
+        f"done: {state.step} steps, {state.tokens_seen} tokens, {state.train_seconds:.0f}s training; best held-out "
+        f"alpha {state.best_alpha:.4f}; artifact {run.out_dir}"
     )
     return result
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+def distill(cfg: DistillConfig, log=print) -> dict:
+    """Run (or resume) a distillation; returns a summary dict (also in the artifact manifest).
+
+    Raises DistillError for settings that cannot work with the work dir or the --init-from artifact.
+    """
+    device = setup_torch(cfg)
+    autocast = autocast_for(device)
+    out_dir, work_dir = default_names(cfg)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = open_label_cache(cfg, work_dir)
+    teacher = load_teacher(cfg, device, log)
+    labels = build_labels(cfg, cache_dir, teacher, log)
+
+    checkpoint_path = work_dir / "checkpoint.pt"
+    checkpoint = load_checkpoint(checkpoint_path, cfg.resume, log)
+    init_layers = choose_init_layers(cfg, teacher, labels.heldout, checkpoint, device, autocast, log)
+    draft = build_student(cfg, teacher, labels.train, init_layers, checkpoint, device, log)
+    fingerprint = teacher.fingerprint
+    del teacher  # training needs only the draft: free the target's memory first
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    params, optimizer = make_optimizer(cfg, draft)
+    state = restore(checkpoint, draft, optimizer)
+    run = Run(
+        cfg=cfg,
+        draft=draft,
+        optimizer=optimizer,
+        params=params,
+        heldout=labels.heldout,
+        device=device,
+        autocast=autocast,
+        out_dir=out_dir,
+        checkpoint_path=checkpoint_path,
+        init_layers=init_layers,
+        fingerprint=fingerprint,
+        label_positions=labels.train_positions,
+        log=log,
+    )
+    batches = Batches(labels.train, cfg.batch_size, cfg.seed)
+    if state.step == 0:
+        evaluate_and_publish(run, state)
+    last_metrics = train_loop(run, state, batches)
+    return finish(run, state, last_metrics, labels, work_dir)

@@ -18,25 +18,25 @@ def tiny_target(tmp_path_factory):
 def _config(target, tmp_path, **overrides):
     from specdec.distill.train import DistillConfig
 
-    base = dict(
-        target=str(target),
-        out=str(tmp_path / "draft"),
-        work_dir=str(tmp_path / "work"),
-        num_layers=2,
-        chat_sequences=24,
-        text_sequences=0,
-        heldout_sequences=8,
-        max_new_tokens=20,
-        shard_size=8,
-        steps=30,
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=3,
-        eval_every=10,
-        checkpoint_every=10,
-        progress=False,
-        seed=0,
-    )
+    base = {
+        "target": str(target),
+        "out": str(tmp_path / "draft"),
+        "work_dir": str(tmp_path / "work"),
+        "num_layers": 2,
+        "chat_sequences": 24,
+        "text_sequences": 0,
+        "heldout_sequences": 8,
+        "max_new_tokens": 20,
+        "shard_size": 8,
+        "steps": 30,
+        "batch_size": 4,
+        "lr": 3e-3,
+        "warmup_steps": 3,
+        "eval_every": 10,
+        "checkpoint_every": 10,
+        "progress": False,
+        "seed": 0,
+    }
     base.update(overrides)
     return DistillConfig(**base)
 
@@ -116,8 +116,9 @@ def test_eval_draft_on_the_tiny_pair(tiny_target, tmp_path):
     target, _ = load_causal_lm(str(tiny_target))
     draft = build_draft(target, 4, [0, 1, 2, 3])  # all target layers: the draft is the target
     save_draft_artifact(tmp_path / "same", draft, str(tiny_target), [0, 1, 2, 3])
-    report = eval_draft(str(tmp_path / "same"), str(tiny_target), prompts=2, max_new_tokens=8, timing_steps=3,
-                        log=lambda _: None)
+    report = eval_draft(
+        str(tmp_path / "same"), str(tiny_target), prompts=2, max_new_tokens=8, timing_steps=3, log=lambda _: None
+    )
     assert report["alpha"] == pytest.approx(1.0, abs=1e-3)
     assert report["greedy_agreement"] == pytest.approx(1.0)
     assert len(report["bound"]) == 8 and report["c"] > 0
@@ -161,6 +162,7 @@ def test_distill_with_a_vocabulary_subset_head(tiny_target, tmp_path):
     from draft_service.settings import DraftSettings
     from specdec.core.protocols import DraftRequest
     from specdec.core.sampling import Sampling
+    from specdec.distill import DistillError
     from specdec.distill.train import distill
     from specdec.models.draft_artifact import HEAD_TOKEN_IDS, head_token_ids
     from specdec.models.sources import DRAFT_ARTIFACT_MARKER
@@ -190,12 +192,31 @@ def test_distill_with_a_vocabulary_subset_head(tiny_target, tmp_path):
     second = distill(_config(tiny_target, tmp_path, head_tokens=5, steps=25, resume=True), log=logs.append)
     assert second["steps"] == 25 and second["head_tokens"] == 5
     third = distill(
-        _config(tiny_target, tmp_path, out=str(tmp_path / "again"), work_dir=str(tmp_path / "work2"), steps=5,
-                init_from=str(artifact)),
+        _config(
+            tiny_target,
+            tmp_path,
+            out=str(tmp_path / "again"),
+            work_dir=str(tmp_path / "work2"),
+            steps=5,
+            init_from=str(artifact),
+        ),
         log=logs.append,
     )
     assert third["head_tokens"] == 5 and third["init_from"] == str(artifact)
     assert any("starting from the layers of" in line for line in logs)
+    # An artifact with another layer count is a settings error, not a crash deep in the weights.
+    with pytest.raises(DistillError, match="has 2 layers, not 1"):
+        distill(
+            _config(
+                tiny_target,
+                tmp_path,
+                out=str(tmp_path / "other"),
+                work_dir=str(tmp_path / "work2"),
+                num_layers=1,
+                init_from=str(artifact),
+            ),
+            log=logs.append,
+        )
 
 
 def test_distill_a_draft_that_reads_the_target_hidden_states(tiny_target, tmp_path):
@@ -235,13 +256,16 @@ def test_distill_a_draft_that_reads_the_target_hidden_states(tiny_target, tmp_pa
     torch.testing.assert_close(torch.tensor(served_alpha), train_alpha, rtol=1e-3, atol=1e-3)
     assert len(later) == len(served_alpha) - 1
 
-    report = eval_draft(str(tmp_path / "draft"), str(tiny_target), prompts=2, max_new_tokens=8, timing_steps=3,
-                        log=lambda _: None)
+    report = eval_draft(
+        str(tmp_path / "draft"), str(tiny_target), prompts=2, max_new_tokens=8, timing_steps=3, log=lambda _: None
+    )
     assert 0 < report["alpha"] <= 1 and report["alpha_later_steps"] is not None and report["c"] > 0
 
     # Resume keeps the fuse: the step-30 evaluation is reproduced, and training continues.
-    second = distill(_config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", lr=1e-2, steps=40,
-                             resume=True), log=logs.append)
+    second = distill(
+        _config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", lr=1e-2, steps=40, resume=True),
+        log=logs.append,
+    )
     assert second["steps"] == 40 and second["conditioning"] == "target_hidden"
 
 
@@ -257,10 +281,79 @@ def test_a_tokens_draft_continues_as_a_hidden_state_draft_from_where_it_was(tiny
     tokens_draft = build_draft(target, 1, [2])
     save_draft_artifact(tmp_path / "tokens", tokens_draft, str(tiny_target), [2], weights_dtype=torch.float32)
     result = distill(
-        _config(tiny_target, tmp_path, num_layers=1, conditioning="target_hidden", init_from=str(tmp_path / "tokens"),
-                steps=0, head_tokens=0),
+        _config(
+            tiny_target,
+            tmp_path,
+            num_layers=1,
+            conditioning="target_hidden",
+            init_from=str(tmp_path / "tokens"),
+            steps=0,
+            head_tokens=0,
+        ),
         log=lambda _: None,
     )
     heldout = load_shards(tmp_path / "work" / "labels", ("heldout",))
     before = evaluate(tokens_draft, heldout, torch.device("cpu"), autocast=lambda: torch.autocast("cpu", enabled=False))
     assert result["heldout_alpha_topk"] == pytest.approx(before["alpha"], abs=1e-4)
+
+
+def test_cli_reports_a_label_cache_built_with_other_settings_as_an_error(tiny_target, tmp_path, capsys):
+    from specdec.cli import main
+    from specdec.distill import DistillError
+    from specdec.distill.train import distill
+
+    labels = tmp_path / "work" / "labels"
+    labels.mkdir(parents=True)
+    (labels / "cache.json").write_text(json.dumps({"version": 1, "top_k": 3}))
+    with pytest.raises(DistillError, match="built with other settings"):
+        distill(_config(tiny_target, tmp_path), log=lambda _: None)
+
+    argv = ["distill", "--target", str(tiny_target), "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "d")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "built with other settings" in err and "Traceback" not in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_phases_run_on_their_own(tiny_target, tmp_path):
+    """Labels, draft, loop and checkpoint, called one by one as `distill` calls them."""
+    from specdec.distill import train as t
+
+    cfg = _config(tiny_target, tmp_path, chat_sequences=8, steps=4, eval_every=2, checkpoint_every=100, head_tokens=0)
+    device = torch.device("cpu")
+    out_dir, work_dir = t.default_names(cfg)
+    work_dir.mkdir(parents=True)
+    teacher = t.load_teacher(cfg, device, log=lambda _: None)
+    labels = t.build_labels(cfg, t.open_label_cache(cfg, work_dir), teacher, log=lambda _: None)
+    assert labels.train_positions > 0 and len(labels.heldout) == 1 and labels.new_tokens > 0
+
+    draft = t.build_student(cfg, teacher, labels.train, [0, 3], None, device, log=lambda _: None)
+    params, optimizer = t.make_optimizer(cfg, draft)
+    assert params and all(p.requires_grad for p in params)
+    assert sum(p.numel() for p in params) < sum(p.numel() for p in draft.parameters())  # shared parts frozen
+    state = t.restore(None, draft, optimizer)
+    run = t.Run(
+        cfg=cfg,
+        draft=draft,
+        optimizer=optimizer,
+        params=params,
+        heldout=labels.heldout,
+        device=device,
+        autocast=t.autocast_for(device),
+        out_dir=out_dir,
+        checkpoint_path=work_dir / "checkpoint.pt",
+        init_layers=[0, 3],
+        fingerprint=teacher.fingerprint,
+        label_positions=labels.train_positions,
+        log=lambda _: None,
+    )
+    last = t.train_loop(run, state, t.Batches(labels.train, cfg.batch_size, cfg.seed))
+    assert state.step == 4 and state.tokens_seen > 0
+    assert [h["step"] for h in state.history if "alpha" in h] == [2, 4] and last["alpha"] == state.history[-1]["alpha"]
+    assert (out_dir / "draft_layers.safetensors").exists()  # the first evaluation set the best alpha
+
+    # A checkpoint restores the loop's state as it was.
+    t.save_checkpoint(run, state)
+    again = t.restore(t.load_checkpoint(run.checkpoint_path, True, log=lambda _: None), draft, optimizer)
+    assert again == state
+    assert t.load_checkpoint(run.checkpoint_path, False, log=lambda _: None) is None
