@@ -74,12 +74,94 @@ class SessionKVCache:
     def drop(self, session_id: str) -> None:
         self.take(session_id)
 
+    def token_ids(self, session_id: str) -> list[int] | None:
+        """The tokens the session's entry holds keys/values for, None without one (tests, debugging)."""
+        entry = self._entries.get(session_id)
+        return None if entry is None else list(entry.token_ids)
+
 
 @dataclass(frozen=True)
 class LogitsResult:
     logits: torch.Tensor  # [num_last, V] float32 on CPU
     cached_tokens: int  # prefix tokens whose keys/values came from the cache
     hidden: torch.Tensor | None = None  # [len(token_ids) - hidden_from, H] float32 on CPU, when asked
+
+
+# ---------------------------------------------------------------- last_logits, step by step
+#
+# Three prefix lengths meet in one cached call:
+#   common prefix - the entry's tokens agree with the request's up to here (past it: a rollback);
+#   exact_len     - the entry's keys/values up to here are a function of the tokens alone;
+#   stored rows   - the entry's final hidden states cover positions 0..rows-1.
+# The reused positions are the shortest of what each allows; everything after them runs.
+
+
+def _check_request(num_tokens: int, num_last: int, hidden_from: int | None) -> None:
+    if not 1 <= num_last <= num_tokens:
+        raise ValueError(f"num_last={num_last} for {num_tokens} tokens")
+    if hidden_from is not None and not 0 <= hidden_from <= num_tokens - num_last:
+        raise ValueError(f"hidden_from={hidden_from} for {num_tokens} tokens, {num_last} to score")
+
+
+def _stored_rows(entry: _CacheEntry) -> int:
+    return 0 if entry.hidden is None else entry.hidden.shape[0]
+
+
+def _reusable_positions(entry: _CacheEntry, token_ids: list[int], num_last: int, hidden_from: int | None) -> int:
+    """How many of the entry's leading positions this call may keep (0: run everything)."""
+    # Past the first token that differs, the keys/values belong to another continuation; and
+    # the last num_last positions must run to produce their logits.
+    reuse = min(common_prefix_length(entry.token_ids, token_ids), len(token_ids) - num_last)
+    if entry.exact_len is not None:
+        # A hidden-state draft fed its own guesses past exact_len: those positions are not reusable.
+        reuse = min(reuse, entry.exact_len)
+    if hidden_from is not None and hidden_from < reuse:
+        # Rows [hidden_from, reuse) would have to come from the stored ones: reuse no further than
+        # they reach, or than hidden_from (from there on, the forward runs every row asked for).
+        reuse = min(reuse, max(_stored_rows(entry), hidden_from))
+    return reuse
+
+
+def _crop(entry: _CacheEntry, reuse: int) -> _CacheEntry | None:
+    """The entry holding keys/values of its first `reuse` positions only; None when reuse is 0."""
+    if reuse <= 0:
+        return None
+    cached_len = len(entry.token_ids)
+    if cached_len > reuse:
+        entry.kv.crop(reuse - cached_len)  # negative: drop that many trailing tokens
+    return entry
+
+
+def _assemble_hidden(
+    stored: torch.Tensor | None, ran: torch.Tensor, reuse: int, hidden_from: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden states to return, rows to keep in the entry) from the stored rows and the
+    rows of positions [reuse, len) that the forward ran."""
+    if hidden_from is None:
+        # A draft fed hidden states reads only the rows it ran; nothing is kept.
+        return ran, None
+    if reuse == 0:
+        full = ran
+    elif stored is not None and stored.shape[0] >= reuse:
+        full = torch.cat([stored[:reuse], ran])
+    else:
+        full = None  # the stored rows stop short: later calls must run their positions again
+    # _reusable_positions makes `full` exist whenever hidden_from < reuse.
+    hidden = full[hidden_from:] if full is not None else ran[hidden_from - reuse :]
+    return hidden, full
+
+
+def _left_padded(sequences: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, width] input ids, attention mask and position ids of sequences padded on the left."""
+    pad = 0
+    input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[row, width - len(seq) :] = 1
+    # Left padding: positions must count real tokens only.
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
 
 
 class ModelRunner:
@@ -134,63 +216,53 @@ class ModelRunner:
         `exact_len` positions (default: all) are cached for reuse by later calls.
         """
         token_ids = list(token_ids)
-        if not 1 <= num_last <= len(token_ids):
-            raise ValueError(f"num_last={num_last} for {len(token_ids)} tokens")
-        if hidden_from is not None and not 0 <= hidden_from <= len(token_ids) - num_last:
-            raise ValueError(f"hidden_from={hidden_from} for {len(token_ids)} tokens, {num_last} to score")
-        exact_len = len(token_ids) if exact_len is None else exact_len
+        _check_request(len(token_ids), num_last, hidden_from)
+        want_hidden = hidden_from is not None or input_hidden is not None
         with self._lock:
-            entry = self.cache.take(session_id) if session_id else None
-            # At least the last num_last positions must run to produce their logits.
-            reuse = 0
-            if entry is not None:
-                reuse = min(common_prefix_length(entry.token_ids, token_ids), len(token_ids) - num_last)
-                if entry.exact_len is not None:
-                    reuse = min(reuse, entry.exact_len)
-                if hidden_from is not None and hidden_from < reuse:
-                    # Hidden states for [hidden_from, reuse) must come from the cache.
-                    stored = 0 if entry.hidden is None else entry.hidden.shape[0]
-                    reuse = min(reuse, max(stored, hidden_from))
-                cached_len = len(entry.token_ids)
-                if reuse <= 0:
-                    entry = None
-                    reuse = 0
-                elif cached_len > reuse:
-                    entry.kv.crop(reuse - cached_len)  # negative: drop that many trailing tokens
-            if entry is None:
-                entry = _CacheEntry([], self._new_cache())
-                self.cache.misses += 1
-            else:
-                self.cache.hits += 1
-            new_tokens = torch.tensor([token_ids[reuse:]], dtype=torch.long, device=self.device)
-            want_hidden = hidden_from is not None or input_hidden is not None
-            if input_hidden is not None:
-                rows = input_hidden[reuse:].to(self.device).unsqueeze(0)
-                inputs = {"inputs_embeds": fused_inputs(self.model, new_tokens, rows)}
-            else:
-                inputs = {"input_ids": new_tokens}
+            entry, reuse = self._take_entry(session_id, token_ids, num_last, hidden_from)
+            fed = input_hidden[reuse:] if input_hidden is not None else None
             # On an exception the entry (possibly half-updated) is simply not put back.
-            out = self.model(
-                **inputs, cache=entry.kv, use_cache=True, logits_to_keep=num_last, output_hidden_states=want_hidden
-            )
+            out = self._forward(entry, token_ids[reuse:], fed, num_last, want_hidden)
             logits = out.logits[0, -num_last:].float().cpu()
             hidden = None
             if want_hidden:
                 ran = out.hidden_states[-1][0].float().cpu()  # positions [reuse, len), after the final norm
-                stored = entry.hidden if entry.hidden is not None and entry.hidden.shape[0] >= reuse else None
-                full = ran if reuse == 0 else (torch.cat([stored[:reuse], ran]) if stored is not None else None)
-                if hidden_from is None:
-                    hidden = ran
-                else:  # the reuse rule above guarantees `full` whenever hidden_from < reuse
-                    hidden = full[hidden_from:] if full is not None else ran[hidden_from - reuse :]
-                entry.hidden = full if hidden_from is not None else None
+                hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from)
             else:
                 entry.hidden = None
             if session_id:
                 entry.token_ids = token_ids
-                entry.exact_len = exact_len
+                entry.exact_len = len(token_ids) if exact_len is None else exact_len
                 self.cache.put(session_id, entry)
             return LogitsResult(logits, reuse, hidden)
+
+    def _take_entry(
+        self, session_id: str, token_ids: list[int], num_last: int, hidden_from: int | None
+    ) -> tuple[_CacheEntry, int]:
+        """(the session's entry cropped for reuse, or a fresh one; how many positions it keeps)."""
+        entry = self.cache.take(session_id) if session_id else None
+        reuse = 0
+        if entry is not None:
+            reuse = _reusable_positions(entry, token_ids, num_last, hidden_from)
+            entry = _crop(entry, reuse)
+        if entry is None:
+            self.cache.misses += 1
+            return _CacheEntry([], self._new_cache()), 0
+        self.cache.hits += 1
+        return entry, reuse
+
+    def _forward(
+        self, entry: _CacheEntry, new_tokens: list[int], fed: torch.Tensor | None, num_last: int, want_hidden: bool
+    ):
+        """The model over `new_tokens` after the entry's cached positions, extending its cache."""
+        new = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
+        if fed is not None:
+            inputs = {"inputs_embeds": fused_inputs(self.model, new, fed.to(self.device).unsqueeze(0))}
+        else:
+            inputs = {"input_ids": new}
+        return self.model(
+            **inputs, cache=entry.kv, use_cache=True, logits_to_keep=num_last, output_hidden_states=want_hidden
+        )
 
     @torch.inference_mode()
     def batch_forward(
@@ -204,14 +276,7 @@ class ModelRunner:
         logits [num_last_i, V] (hidden_from / input_hidden as there, one entry per sequence)."""
         lengths = [len(s) for s in sequences]
         width = max(lengths)
-        pad = 0
-        input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[row, width - len(seq) :] = 1
-        # Left padding: positions must count real tokens only.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention_mask, position_ids = _left_padded(sequences, width)
         want_hidden = hidden_from is not None or input_hidden is not None
         if input_hidden is not None:
             rows = torch.zeros((len(sequences), width, input_hidden[0].shape[-1]), dtype=torch.float32)

@@ -73,3 +73,30 @@ def test_batched_left_padded_logits_match_single(tiny_loaded):
     outputs = [r.logits for r in runner.batch_forward(sequences, [2, 3, 1])]
     for seq, n, out in zip(sequences, [2, 3, 1], outputs, strict=True):
         torch.testing.assert_close(out, _full_logits(model, seq, n), atol=1e-5, rtol=1e-5)
+
+
+def test_continuing_after_a_turn_cut_mid_round_matches_recompute(tiny_loaded):
+    """A turn that ends on EOS or a stop string can leave the cache holding positions past the
+    history (drafts in flight, tokens after the cut). The next turn's prompt diverges there by
+    more than the one position each round re-runs anyway, so only here would a stale position
+    kept past the common prefix change the logits (and the hidden states a relay reads)."""
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        context = rng.integers(0, 8, size=rng.integers(1, 8)).tolist()
+        drafts = rng.integers(0, 8, size=rng.integers(1, 5)).tolist()
+        runner.last_logits("s", context + drafts, len(drafts) + 1, hidden_from=0)
+        kept = int(rng.integers(0, len(drafts)))  # the turn ended after drafts[:kept]
+        # The next prompt starts with a token other than the cached one, and is scored only at its
+        # last positions: the positions before those must come from the cache or run again.
+        first = (drafts[kept] + int(rng.integers(1, 8))) % 8
+        prompt = [first, *rng.integers(0, 8, size=rng.integers(1, 4)).tolist()]
+        tokens = context + drafts[:kept] + prompt
+        num_last = int(rng.integers(1, len(prompt)))
+        hidden_from = int(rng.integers(0, len(tokens) - num_last + 1))
+        cached = runner.last_logits("s", tokens, num_last, hidden_from=hidden_from)
+        fresh = runner.last_logits("", tokens, num_last, hidden_from=hidden_from)
+        torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cached.hidden, fresh.hidden, atol=1e-5, rtol=1e-5)
+        assert cached.cached_tokens == len(context) + kept  # the whole common prefix, nothing past it
