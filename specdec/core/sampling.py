@@ -144,7 +144,8 @@ def speculative_round(
         if not q[token] > 0.0:
             raise InconsistentDraftError(f"draft proposed token {token} with q = 0 at position {i + 1}")
         r = rng.random()
-        if r < min(1.0, p[token] / q[token]):
+        # The same A(x) the exact-algebra tests check, for the one token that was proposed.
+        if r < acceptance_probs(q[token : token + 1], p[token : token + 1])[0]:
             accepted.append(token)
             continue
         return RoundResult(accepted, sample_token(recovered_probs(q, p), rng.random()), None)
