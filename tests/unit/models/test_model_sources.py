@@ -25,7 +25,7 @@ from specdec.models.sources import (
     tokenizer_fingerprint,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _write_manifest(directory: Path, **manifest) -> Path:

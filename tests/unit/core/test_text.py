@@ -1,5 +1,4 @@
 from specdec.core.text import TextStream
-from specdec.rpc.clients import channel_target
 
 
 def test_deltas_concatenate_to_final_text_and_hold_back_stop_prefixes():
@@ -18,13 +17,6 @@ def test_incomplete_utf8_is_held_back():
     stream = TextStream(stop=())
     assert stream.delta("caf\ufffd", False) == "caf"
     assert stream.delta("café", True) == "é"
-
-
-def test_channel_targets():
-    assert channel_target("draft:50052") == "draft:50052"
-    assert channel_target("dns:///draft.ns.svc:50052") == "dns:///draft.ns.svc:50052"
-    assert channel_target("10.0.0.1:1, 10.0.0.2:1") == "ipv4:10.0.0.1:1,10.0.0.2:1"
-    assert channel_target("localhost:1,localhost:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
 
 
 def _letters(ids) -> str:
