@@ -185,6 +185,11 @@ class ModelRunner:
         # (a SmolLM2 decode on 2 cores: 55 ms from one thread, ~110 ms once several threads have run ops).
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
+    def share_model_thread(self, other: ModelRunner) -> None:
+        """Run this model's ops on `other`'s thread: two models in one process (draft and target
+        in-process) then share one OpenMP team instead of throttling each other's."""
+        self._model_thread = other._model_thread
+
     def on_model_thread(self, fn: Callable, *args, **kwargs):
         """fn(*args, **kwargs) run on the model's own thread; returns its result (or raises)."""
         return self._model_thread.submit(fn, *args, **kwargs).result()
