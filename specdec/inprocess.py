@@ -23,8 +23,9 @@ from specdec.v1 import coordinator_pb2
 
 
 def _pool_info(target, draft) -> PoolInfo:
-    error = None
+    error = "no draft model is loaded: speculative rounds need one; use num_speculative_tokens=0"
     if draft is not None:
+        error = None
         try:
             check_compatible(draft.info, target.info)
         except FailedPrecondition as exc:
@@ -65,6 +66,8 @@ class InProcessPipeline:
             self.draft.runner.share_model_thread(self.target.runner)
             drafter = LocalDrafter(self.draft.runner)
         engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner), self.decode)
+        if self.draft is None:
+            coordinator_settings.setdefault("default_num_speculative_tokens", 0)
         settings = CoordinatorSettings(tokenizer=target, **coordinator_settings)
         self.generator = Generator(settings, engine, lambda deadline, need_draft: pools, self.tokenizer, store=None)
 

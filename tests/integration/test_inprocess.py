@@ -50,3 +50,12 @@ def test_cli_in_process_prints_text_and_stats(tiny_model_dirs):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert "acceptance rate" in done.stderr and "6 generated" in done.stderr
+
+
+def test_without_a_draft_only_k_zero_runs(tiny_model_dirs):
+    from specdec.core.errors import FailedPrecondition
+
+    target_only = InProcessPipeline(tiny_model_dirs["target"], None)
+    assert len(target_only.generate([1, 2], max_new_tokens=4, num_speculative_tokens=0).completions[0].token_ids) >= 1
+    with pytest.raises(FailedPrecondition, match="no draft"):
+        target_only.generate([1, 2], max_new_tokens=4, num_speculative_tokens=2)
