@@ -16,7 +16,7 @@ import numpy as np
 
 from specdec.core.errors import ServiceError
 from specdec.core.hidden import HiddenStateRelay
-from specdec.core.protocols import Deadline, Drafter, DraftRequest, Verifier, VerifyRequest
+from specdec.core.protocols import Deadline, Drafter, DraftProposal, DraftRequest, Verifier, VerifyRequest
 from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
 from specdec.core.text import Decode, stop_point
 
@@ -121,7 +121,43 @@ class _Draft:
     """One sample's proposal this round (empty when it drafts nothing)."""
 
     tokens: list[int] = field(default_factory=list)  # [k]
-    probs: np.ndarray | None = None  # [k, V] float32, None when k = 0
+    probs: np.ndarray | None = None  # [k, V] float32, None when k = 0 or point_mass
+    point_mass: bool = False  # q_i = one-hot(tokens[i]), built at accept time with the target's V
+
+    def laws(self, vocab: int) -> np.ndarray:
+        """[k, V] float32 laws the tokens were drawn from; ServiceError when they cannot be over V."""
+        if self.point_mass:
+            outside = [t for t in self.tokens if not 0 <= t < vocab]
+            if outside:
+                raise ServiceError(
+                    f"draft proposed token id {outside[0]}, outside the target's vocabulary [0, {vocab})"
+                )
+            laws = np.zeros((len(self.tokens), vocab), np.float32)
+            laws[np.arange(len(self.tokens)), self.tokens] = 1.0
+            return laws
+        if self.probs is None:
+            return np.empty((0, vocab), np.float32)
+        if self.probs.shape[1] != vocab:
+            raise ServiceError(f"draft and target laws differ in vocabulary size: {self.probs.shape[1]} vs {vocab}")
+        return self.probs
+
+
+def checked_draft(proposal: DraftProposal, k: int) -> _Draft:
+    """A proposal as this round's draft; ServiceError unless it is at most k tokens with their laws."""
+    tokens = list(proposal.draft_token_ids)
+    if proposal.point_mass:
+        if len(tokens) > k:
+            raise ServiceError(f"draft returned {len(tokens)} point-mass tokens for K={k}")
+        return _Draft(tokens, None, point_mass=True) if tokens else _Draft()
+    probs = proposal.draft_probs
+    # A drafter may propose fewer tokens than asked (none included), never more.
+    if len(tokens) > k or probs is None or probs.ndim != 2 or probs.shape[0] != len(tokens):
+        shape = None if probs is None else probs.shape
+        raise ServiceError(f"draft returned {len(tokens)} tokens / {shape} for K={k}")
+    if not tokens:
+        return _Draft()
+    check_laws("draft", probs)
+    return _Draft(tokens, probs)
 
 
 class SpeculativeEngine:
@@ -184,13 +220,7 @@ class SpeculativeEngine:
         if len(proposals) != len(proposing):
             raise ServiceError(f"draft returned {len(proposals)} proposals for {len(proposing)} sequences")
         for i, proposal in zip(proposing, proposals, strict=True):
-            tokens, probs = list(proposal.draft_token_ids), proposal.draft_probs
-            # A drafter may propose fewer tokens than asked (none included), never more.
-            if len(tokens) > ks[i] or probs.ndim != 2 or probs.shape[0] != len(tokens):
-                raise ServiceError(f"draft returned {len(tokens)} tokens / {probs.shape} for K={ks[i]}")
-            if tokens:
-                check_laws("draft", probs)
-                drafts[i] = _Draft(tokens, probs)
+            drafts[i] = checked_draft(proposal, ks[i])
         return drafts
 
     def _verify(
@@ -227,11 +257,8 @@ class SpeculativeEngine:
         k = len(draft.tokens)
         if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
             raise ServiceError(f"target returned {target_probs.shape[0]} laws for K={k}")
-        vocab = target_probs.shape[1]
-        if draft.probs is not None and draft.probs.shape[1] != vocab:
-            raise ServiceError(f"draft and target laws differ in vocabulary size: {draft.probs.shape[1]} vs {vocab}")
+        draft_probs = draft.laws(target_probs.shape[1])
         check_laws("target", target_probs)
-        draft_probs = draft.probs if draft.probs is not None else np.empty((0, vocab), np.float32)
         rng = rng_for(spec.seed, sample.index, round_index, _ACCEPT_STREAM)
         return speculative_round(draft.tokens, draft_probs, target_probs, rng)
 

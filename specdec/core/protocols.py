@@ -58,8 +58,12 @@ class DraftRequest:
 @dataclass(frozen=True)
 class DraftProposal:
     draft_token_ids: list[int]  # [k], k <= K
-    draft_probs: np.ndarray  # [k, V] float32: exactly the law each token was drawn from
+    # [k, V] float32: exactly the law each token was drawn from; None with point_mass.
+    draft_probs: np.ndarray | None
     cached_tokens: int = 0
+    # A model-free draft: q_i is the one-hot law of draft_token_ids[i] (lossless: accepted with
+    # probability p(x), the residual on rejection is p without x), so no [k, V] array is sent.
+    point_mass: bool = False
 
 
 @dataclass(frozen=True)

@@ -87,12 +87,14 @@ def propose_request(requests: list[DraftRequest], sampling: Sampling) -> draft_p
 
 
 def propose_response(proposals: list[DraftProposal]) -> draft_pb2.ProposeResponse:
+    """A point-mass proposal carries its token ids alone (no probability bytes)."""
     return draft_pb2.ProposeResponse(
         proposals=[
             draft_pb2.Proposal(
                 draft_token_ids=p.draft_token_ids,
-                draft_probs=encode_probs(p.draft_probs),
+                draft_probs=None if p.point_mass else encode_probs(p.draft_probs),
                 cached_tokens=p.cached_tokens,
+                point_mass=p.point_mass,
             )
             for p in proposals
         ]
@@ -102,7 +104,10 @@ def propose_response(proposals: list[DraftProposal]) -> draft_pb2.ProposeRespons
 def proposals_from_proto(response: draft_pb2.ProposeResponse) -> list[DraftProposal]:
     """ValueError when a probability tensor is inconsistent."""
     return [
-        DraftProposal(list(p.draft_token_ids), decode_probs(p.draft_probs), p.cached_tokens) for p in response.proposals
+        DraftProposal(list(p.draft_token_ids), None, p.cached_tokens, point_mass=True)
+        if p.point_mass
+        else DraftProposal(list(p.draft_token_ids), decode_probs(p.draft_probs), p.cached_tokens)
+        for p in response.proposals
     ]
 
 

@@ -60,6 +60,16 @@ class FakeDrafter:
         return [DraftProposal(*self.make(r)) for r in requests]
 
 
+class PointMassDrafter:
+    """A model-free drafter: `make(request)` -> token ids, sent as point masses (no laws)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def propose(self, requests, sampling, deadline):
+        return [DraftProposal(self.make(r), None, point_mass=True) for r in requests]
+
+
 class FakeVerifier:
     def __init__(self, make):
         self.make = make
@@ -176,3 +186,41 @@ def test_a_pool_that_answers_for_the_wrong_number_of_sequences_is_an_error():
 
     with pytest.raises(ServiceError, match="results for"):
         _run(FakeDrafter(lambda r: ([1], _one_hot(1)[None])), Dropping(_uniform_target))
+
+
+# ------------------------------------------------------------------ point-mass (model-free) drafts
+
+
+def test_point_mass_proposals_keep_greedy_output_equal_to_the_target_alone(local_pair):
+    from specdec.core.ngram import ngram_proposal
+
+    _, verifier = local_pair
+    alone, _, _ = _run(*local_pair, sampling=Sampling(0.0), num_speculative_tokens=0, context_token_ids=[1, 2, 3, 1, 2])
+    lookup = PointMassDrafter(lambda r: ngram_proposal(r.prefix_token_ids, r.num_draft_tokens, 1, 4))
+    for k in (1, 3):
+        speculated, stats, _ = _run(
+            lookup, verifier, sampling=Sampling(0.0), num_speculative_tokens=k, context_token_ids=[1, 2, 3, 1, 2]
+        )
+        assert speculated[0].generated == alone[0].generated
+        assert stats.drafted_tokens > 0
+
+
+def test_a_point_mass_draft_is_accepted_with_probability_p_and_recovers_from_p_without_it():
+    # The target always puts 1/2 on "c" (2) and 1/2 on "d" (3); the draft always proposes "c".
+    law = np.zeros(V, np.float32)
+    law[[2, 3]] = 0.5
+    verifier = FakeVerifier(lambda r: np.stack([law] * (len(r.draft_token_ids) + 1)))
+    samples, stats, _ = _run(PointMassDrafter(lambda r: [2] * r.num_draft_tokens), verifier, max_new_tokens=400)
+    assert set(samples[0].generated) == {2, 3}
+    # Of the drafts examined (those after a rejection never are), about half are accepted.
+    examined = stats.accepted_tokens + stats.recovered_tokens
+    assert stats.recovered_tokens > 50 and 0.4 < stats.accepted_tokens / examined < 0.6
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [([V], "outside the target's vocabulary"), ([-1], "outside"), ([1] * 4, "point-mass tokens for K=3")],
+)
+def test_a_bad_point_mass_proposal_is_a_service_error(tokens, message):
+    with pytest.raises(ServiceError, match=message):
+        _run(PointMassDrafter(lambda r: tokens), FakeVerifier(_uniform_target))

@@ -178,6 +178,20 @@ def test_proposals_round_trip():
         assert np.array_equal(got.draft_probs, sent.draft_probs)
 
 
+def test_point_mass_proposals_travel_as_token_ids_alone():
+    proposals = [
+        DraftProposal([4, 0, 2], None, cached_tokens=3, point_mass=True),
+        DraftProposal([], None, point_mass=True),
+        DraftProposal([1], _probs(1, 6)),
+    ]
+    message = _over_the_wire(wire.propose_response(proposals))
+    assert message.proposals[0].point_mass and not message.proposals[0].HasField("draft_probs")
+    assert not message.proposals[2].point_mass and message.proposals[2].HasField("draft_probs")
+    decoded = wire.proposals_from_proto(message)
+    assert decoded[:2] == proposals[:2]
+    assert not decoded[2].point_mass and np.array_equal(decoded[2].draft_probs, proposals[2].draft_probs)
+
+
 def test_proposals_with_a_broken_tensor_are_a_value_error():
     response = wire.propose_response([DraftProposal([1], _probs(1, 4))])
     response.proposals[0].draft_probs.shape[:] = [1, 5]
