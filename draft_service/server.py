@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from draft_service.ngram import NgramModel, load_ngram
 from draft_service.proposer import propose
-from draft_service.settings import DraftSettings
+from draft_service.settings import NGRAM_MODEL, DraftSettings
 from specdec.core.errors import InvalidArgument
-from specdec.core.protocols import DraftRequest
+from specdec.core.protocols import NO_DEADLINE, DraftRequest
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.model_service import (
     GrpcServer,
@@ -26,26 +27,26 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
     role = "draft"
 
     def _requests(self, request: draft_pb2.ProposeRequest) -> list[DraftRequest]:
-        runner = self.loaded.runner
+        info = self.loaded.info  # a model's Info reports its runner's limits; the ngram draft's too
         validate_sequence_count(len(request.sequences), self.settings.max_batch_sequences)
         parsed = []
         for seq in request.sequences:
             prefix = list(seq.prefix_token_ids)
             if not prefix:
                 raise InvalidArgument("prefix_token_ids is empty")
-            validate_token_ids(prefix, runner.vocab_size, "prefix_token_ids")
+            validate_token_ids(prefix, info.vocab_size, "prefix_token_ids")
             if not 1 <= seq.num_draft_tokens <= self.settings.max_draft_tokens:
                 raise InvalidArgument(
                     f"num_draft_tokens must be in [1, {self.settings.max_draft_tokens}], got {seq.num_draft_tokens}"
                 )
-            validate_length(len(prefix) + seq.num_draft_tokens, runner.max_positions)
-            target_hidden = self._target_hidden(seq, len(prefix)) if runner.needs_target_hidden else None
+            validate_length(len(prefix) + seq.num_draft_tokens, info.max_position_embeddings)
+            target_hidden = self._target_hidden(seq, len(prefix)) if info.needs_target_hidden_states else None
             parsed.append(DraftRequest(seq.cache_key, prefix, seq.num_draft_tokens, seq.seed, target_hidden))
         return parsed
 
     def _target_hidden(self, seq: draft_pb2.DraftSequence, prefix_len: int):
         """The [prefix_len - 1, H] hidden states a hidden-state-conditioned draft reads."""
-        expected = (prefix_len - 1, self.loaded.runner.hidden_size)
+        expected = (prefix_len - 1, self.loaded.info.hidden_size)
         if not seq.HasField("target_hidden_states"):
             raise InvalidArgument(
                 f"this draft is conditioned on the target's hidden states: target_hidden_states {list(expected)} is required"
@@ -66,23 +67,30 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        runner = self.loaded.runner
-        proposals = runner.on_model_thread(propose, runner, self._requests(request), sampling)
-        return propose_response(proposals)
+        requests, loaded = self._requests(request), self.loaded
+        if isinstance(loaded, NgramModel):
+            return propose_response(loaded.drafter.propose(requests, sampling, NO_DEADLINE))
+        runner = loaded.runner
+        return propose_response(runner.on_model_thread(propose, runner, requests, sampling))
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802
         return self.loaded.info
 
 
-def create_server(settings: DraftSettings, loaded: LoadedModel | None = None) -> tuple[GrpcServer, int]:
-    """Start the draft server; SERVING once the model is loaded (at once if `loaded` is given)."""
+def create_server(settings: DraftSettings, loaded: LoadedModel | NgramModel | None = None) -> tuple[GrpcServer, int]:
+    """Start the draft server; SERVING once the model is loaded (at once if `loaded` is given).
+
+    `model=ngram` serves the model-free prompt-lookup draft: SERVING once the tokenizer loads.
+    """
     servicer = DraftServicer(settings)
+    load = (lambda: load_ngram(settings)) if settings.model == NGRAM_MODEL else None
     grpc_server = start_model_server(
         settings,
         servicer,
         lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
         draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
         loaded,
+        load,
     )
     return grpc_server, grpc_server.port

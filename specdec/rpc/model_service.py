@@ -167,12 +167,14 @@ def start_model_server(
     register: Callable[[grpc.Server], None],
     service_name: str,
     loaded: LoadedModel | None,
+    load: Callable[[], LoadedModel] | None = None,
 ) -> GrpcServer:
     """Start serving at once (health NOT_SERVING); SERVING once the model is attached.
 
     With `loaded` given (tests) that is immediate; otherwise the model loads in
-    a background thread and a failure to load stops the server, so the process
-    exits instead of hanging unhealthy.
+    a background thread (`load`, by default `load_model`) and a failure to load stops
+    the server, so the process exits instead of hanging unhealthy. A model-free draft
+    attaches an object with `info` and `runner=None`: it has no KV cache to observe.
     """
     grpc_server = build_grpc_server(
         settings.host,
@@ -190,7 +192,8 @@ def start_model_server(
 
     def attach(model: LoadedModel) -> None:
         servicer.attach(model)
-        observe_kv_cache(grpc_server.registry, model.runner.cache, servicer.role)
+        if model.runner is not None:
+            observe_kv_cache(grpc_server.registry, model.runner.cache, servicer.role)
         grpc_server.set_serving(True)
         log.info("%s model %s loaded; serving on port %d", servicer.role, model.info.model_id, grpc_server.port)
 
@@ -200,7 +203,7 @@ def start_model_server(
 
         def load_in_background() -> None:
             try:
-                attach(load_model(settings, servicer.role))
+                attach(load() if load is not None else load_model(settings, servicer.role))
             except Exception:
                 log.exception("loading the %s model failed; stopping", servicer.role)
                 grpc_server.failed = True

@@ -36,3 +36,18 @@ def test_settings_are_frozen_and_validated():
 def test_booleans_and_floats_parse_from_env():
     settings = load_settings(CoordinatorSettings, [], {"SPECDEC_COORDINATOR_DRAFT_TIMEOUT_S": "2.5"})
     assert settings.draft_timeout_s == 2.5
+
+
+def test_the_ngram_draft_settings_and_their_bounds(capsys):
+    settings = load_settings(DraftSettings, [], {"SPECDEC_DRAFT_MODEL": "ngram", "SPECDEC_DRAFT_TOKENIZER": "/t"})
+    assert (settings.model, settings.tokenizer, settings.ngram_min, settings.ngram_max) == ("ngram", "/t", 1, 4)
+    assert env_vars(DraftSettings)["ngram_max"] == "SPECDEC_DRAFT_NGRAM_MAX"
+    assert load_settings(DraftSettings, ["--ngram-min", "2", "--ngram-max", "32"], {}).ngram_max == 32
+    for env in (
+        {"SPECDEC_DRAFT_NGRAM_MIN": "0"},
+        {"SPECDEC_DRAFT_NGRAM_MIN": "5", "SPECDEC_DRAFT_NGRAM_MAX": "4"},
+        {"SPECDEC_DRAFT_NGRAM_MAX": "33"},
+    ):
+        with pytest.raises(SystemExit):
+            load_settings(DraftSettings, [], env)
+        assert "1 <= ngram_min <= ngram_max <= 32" in capsys.readouterr().err
