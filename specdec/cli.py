@@ -109,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no stats")
     gen.add_argument("--in-process", action="store_true", help="load the models here and run without servers or Redis")
     gen.add_argument("--target", default=DEFAULT_MODEL, help="--in-process: the target model")
-    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="--in-process: the draft model ('' = none, K=0 only)")
+    gen.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help="--in-process: the draft model ('' = none, K=0 only; 'ngram' = prompt lookup, no model)",
+    )
     gen.set_defaults(func=_generate)
     session = sub.add_parser("session", help="show or delete a stored session")
     session.add_argument("action", choices=["show", "delete"])

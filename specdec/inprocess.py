@@ -23,8 +23,12 @@ from specdec.v1 import coordinator_pb2
 
 
 def _pool_info(target, draft) -> PoolInfo:
+    from draft_service.ngram import NgramModel
+
     error = "no draft model is loaded: speculative rounds need one; use num_speculative_tokens=0"
-    if draft is not None:
+    if isinstance(draft, NgramModel):
+        error = None  # built from the target's own tokenizer: its token ids are the target's
+    elif draft is not None:
         error = None
         try:
             check_compatible(draft.info, target.info)
@@ -34,16 +38,21 @@ def _pool_info(target, draft) -> PoolInfo:
 
 
 def _load(target: str, draft: str | None):
-    """(target LoadedModel, draft LoadedModel or None, the target's tokenizer)."""
-    from draft_service.settings import DraftSettings
+    """(target LoadedModel, draft LoadedModel, NgramModel (draft "ngram") or None, the target's tokenizer)."""
+    from draft_service.ngram import load_ngram
+    from draft_service.settings import NGRAM_MODEL, DraftSettings
     from specdec.models.sources import load_tokenizer
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 
     loaded_target = load_model(load_settings(TargetSettings, [], {}, model=target), "target")
-    loaded_draft = load_model(load_settings(DraftSettings, [], {}, model=draft), "draft") if draft else None
-    return loaded_target, loaded_draft, load_tokenizer(target)
+    tokenizer = load_tokenizer(target)
+    if draft == NGRAM_MODEL:
+        loaded_draft = load_ngram(load_settings(DraftSettings, [], {}, model=draft, tokenizer=target), tokenizer)
+    else:
+        loaded_draft = load_model(load_settings(DraftSettings, [], {}, model=draft), "draft") if draft else None
+    return loaded_target, loaded_draft, tokenizer
 
 
 class InProcessPipeline:
@@ -59,7 +68,9 @@ class InProcessPipeline:
             self.target, self.draft, self.tokenizer = loader.submit(_load, target, draft).result()
         pools = _pool_info(self.target, self.draft)
         drafter = None
-        if self.draft is not None:
+        if self.draft is not None and self.draft.runner is None:
+            drafter = self.draft.drafter  # the model-free ngram draft
+        elif self.draft is not None:
             from draft_service.proposer import LocalDrafter
 
             # One OpenMP team for both models, as one service process has for its one model.
