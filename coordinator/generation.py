@@ -92,6 +92,7 @@ class Generator:
             sampling=params.sampling,
             seed=request.seed if request.HasField("seed") else secrets.randbits(63),
             num_speculative_tokens=params.num_speculative_tokens,
+            auto_k=params.auto_k,
             stop=tuple(request.stop),
             eos_token_ids=frozenset() if request.ignore_eos else frozenset(pools.target.eos_token_ids),
             num_samples=params.num_samples,

@@ -17,8 +17,9 @@ class RequestParams:
 
     sampling: Sampling
     max_new_tokens: int
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # with auto_k, the largest K a round may draft
     num_samples: int
+    auto_k: bool = False  # K chosen per round (the request left it unset and the default is auto)
 
 
 def validate_session_id(session_id: str) -> None:
@@ -44,12 +45,13 @@ def validate_request(
         raise InvalidArgument(str(exc)) from exc
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else s.default_max_new_tokens
     _in_range("max_new_tokens", max_new, 1, s.max_new_tokens_limit)
-    k = (
-        request.num_speculative_tokens
-        if request.HasField("num_speculative_tokens")
-        else s.default_num_speculative_tokens
-    )
-    _in_range("num_speculative_tokens", k, 0, s.max_num_speculative_tokens)
+    auto_k = False
+    if request.HasField("num_speculative_tokens"):
+        k = _in_range("num_speculative_tokens", request.num_speculative_tokens, 0, s.max_num_speculative_tokens)
+    else:
+        default = s.default_k()
+        auto_k = default is None
+        k = s.max_num_speculative_tokens if auto_k else default
     num_samples = request.num_samples or 1
     if not 1 <= num_samples <= s.max_num_samples:
         raise InvalidArgument(f"num_samples must be in [1, {s.max_num_samples}], got {request.num_samples}")
@@ -65,7 +67,7 @@ def validate_request(
         raise InvalidArgument("stop strings must be non-empty")
     if request.session_id:
         validate_session_id(request.session_id)
-    return RequestParams(sampling, max_new, k, num_samples)
+    return RequestParams(sampling, max_new, k, num_samples, auto_k=auto_k and k > 0)
 
 
 def chat_turn_text(tokenizer, prompt: str, continuing: bool) -> str:

@@ -30,8 +30,11 @@ class CoordinatorSettings:
     draft_timeout_s: float = setting(30.0, "DRAFT_TIMEOUT_S", "deadline of one Propose call")
     verify_timeout_s: float = setting(60.0, "VERIFY_TIMEOUT_S", "deadline of one Verify call")
     info_timeout_s: float = setting(10.0, "INFO_TIMEOUT_S", "deadline of one Info call")
-    # 1 was the best K for the shipped pair in the last bench (README "Speed, honestly"); tune it to your pair.
-    default_num_speculative_tokens: int = setting(1, "DEFAULT_K", "K when a request does not set it")
+    # "auto": each request chooses K per round from its own measured acceptance and costs
+    # (specdec/core/kpolicy.py), up to max K; an integer string fixes it (README "Configuration").
+    default_num_speculative_tokens: str = setting(
+        "auto", "DEFAULT_K", "K when a request does not set it: auto (chosen per round, up to max K) or 0..max K"
+    )
     max_num_speculative_tokens: int = setting(16, "MAX_K", "largest K a request may ask for")
     default_max_new_tokens: int = setting(
         128, "DEFAULT_MAX_NEW_TOKENS", "max_new_tokens when a request does not set it"
@@ -47,11 +50,26 @@ class CoordinatorSettings:
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
 
+    def default_k(self) -> int | None:
+        """The default K as an integer, None for auto; ValueError when it is neither."""
+        text = str(self.default_num_speculative_tokens).strip().lower()
+        if text == "auto":
+            return None
+        try:
+            k = int(text)
+        except ValueError:
+            k = -1
+        if not 0 <= k <= self.max_num_speculative_tokens:
+            raise ValueError(
+                f"default K (DEFAULT_K) must be 'auto' or an integer in [0, {self.max_num_speculative_tokens}] "
+                f"(max K), got {self.default_num_speculative_tokens!r}"
+            )
+        return k
+
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        if not 0 <= self.default_num_speculative_tokens <= self.max_num_speculative_tokens:
-            raise ValueError("default K must be in [0, max K]")
+        self.default_k()
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError("default max_new_tokens must be in [1, max_new_tokens_limit]")
         if self.session_ttl_s < 1 or self.session_lock_ttl_s < 1:

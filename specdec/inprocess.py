@@ -78,7 +78,7 @@ class InProcessPipeline:
             drafter = LocalDrafter(self.draft.runner)
         engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner), self.decode)
         if self.draft is None:
-            coordinator_settings.setdefault("default_num_speculative_tokens", 0)
+            coordinator_settings.setdefault("default_num_speculative_tokens", "0")
         settings = CoordinatorSettings(tokenizer=target, **coordinator_settings)
         self.generator = Generator(settings, engine, lambda deadline, need_draft: pools, self.tokenizer, store=None)
 

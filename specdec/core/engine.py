@@ -3,7 +3,9 @@
 Transport-free: it reaches its models through the `Drafter` / `Verifier` protocols
 (`specdec.core.protocols`), whether they are gRPC clients or models in this process, and leaves
 sessions, tokenisation and responses to its callers. All randomness derives from
-(seed, sample, round), so a seeded request gives the same tokens on any coordinator replica.
+(seed, sample, round), so a seeded request with a fixed K gives the same tokens on any
+coordinator replica; with auto K (`specdec.core.kpolicy`) the K of each round follows measured
+timings, so the tokens may differ while their law stays the target's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from specdec.core.errors import ServiceError
 from specdec.core.hidden import HiddenStateRelay
+from specdec.core.kpolicy import AdaptiveK, FixedK, RoundOutcome
 from specdec.core.protocols import Deadline, Drafter, DraftProposal, DraftRequest, Verifier, VerifyRequest
 from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
 from specdec.core.text import Decode, stop_point
@@ -40,7 +43,7 @@ class GenerationSpec:
     max_new_tokens: int
     sampling: Sampling
     seed: int
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # K; with auto_k, the largest K a round may draft
     stop: tuple[str, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
     num_samples: int = 1
@@ -50,6 +53,8 @@ class GenerationSpec:
     sample_batch_size: int = 1024
     # The draft reads the target's hidden states (ModelInfo.needs_target_hidden_states).
     draft_needs_hidden: bool = False
+    # K chosen per round from this request's measured acceptance and costs (specdec.core.kpolicy).
+    auto_k: bool = False
 
     @property
     def model_cache_key(self) -> str:
@@ -173,18 +178,25 @@ class SpeculativeEngine:
         drafter, verifier = self.drafter, self.verifier
         if spec.draft_needs_hidden and spec.num_speculative_tokens > 0:
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
+        # One policy for the samples of this run: it reads only rounds already played.
+        policy = AdaptiveK(spec.num_speculative_tokens) if spec.auto_k else FixedK(spec.num_speculative_tokens)
         round_index = 0
         while running := [s for s in samples if s.running]:
-            drafts = self._propose(drafter, spec, running, round_index, stats, deadline)
-            yield self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
+            k = policy.choose()
+            drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline)
+            event, verify_s, results = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
+            counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
+            rows = 1 + max(drafted for drafted, _ in counts)
+            policy.observe(RoundOutcome(k, draft_s, verify_s, rows, counts))
+            yield event
             round_index += 1
 
     # ------------------------------------------------------------ one round
 
     @staticmethod
-    def _num_draft_tokens(spec: GenerationSpec, sample: Sample) -> int:
+    def _num_draft_tokens(spec: GenerationSpec, sample: Sample, k: int) -> int:
         # Drafting past max_new_tokens or the context window is wasted work.
-        k = min(spec.num_speculative_tokens, spec.max_new_tokens - len(sample.generated) - 1)
+        k = min(k, spec.max_new_tokens - len(sample.generated) - 1)
         for limit in (spec.max_context, spec.max_draft_context):
             if limit:
                 k = min(k, limit - len(sample.context))
@@ -195,15 +207,17 @@ class SpeculativeEngine:
         drafter: Drafter,
         spec: GenerationSpec,
         running: list[Sample],
+        k: int,
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-    ) -> list[_Draft]:
-        ks = [self._num_draft_tokens(spec, s) for s in running]
+    ) -> tuple[list[_Draft], float]:
+        """This round's drafts (at most k tokens each) and the seconds the Propose took."""
+        ks = [self._num_draft_tokens(spec, s, k) for s in running]
         drafts = [_Draft() for _ in running]
-        proposing = [i for i, k in enumerate(ks) if k > 0]
+        proposing = [i for i, n in enumerate(ks) if n > 0]
         if not proposing:
-            return drafts
+            return drafts, 0.0
         requests = [
             DraftRequest(
                 cache_key=spec.model_cache_key,
@@ -216,12 +230,13 @@ class SpeculativeEngine:
         ]
         started = time.perf_counter()
         proposals = drafter.propose(requests, spec.sampling, deadline)
-        stats.draft_time_s += time.perf_counter() - started
+        draft_s = time.perf_counter() - started
+        stats.draft_time_s += draft_s
         if len(proposals) != len(proposing):
             raise ServiceError(f"draft returned {len(proposals)} proposals for {len(proposing)} sequences")
         for i, proposal in zip(proposing, proposals, strict=True):
             drafts[i] = checked_draft(proposal, ks[i])
-        return drafts
+        return drafts, draft_s
 
     def _verify(
         self,
@@ -232,23 +247,27 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-    ) -> RoundEvent:
+    ) -> tuple[RoundEvent, float, list[RoundResult]]:
+        """The round's event, the seconds the Verify took, and each sample's round result."""
         requests = [
             VerifyRequest(spec.model_cache_key, list(s.context), drafts[i].tokens, sequence=s.index)
             for i, s in enumerate(running)
         ]
         started = time.perf_counter()
         results = verifier.verify(requests, spec.sampling, deadline)
-        stats.verify_time_s += time.perf_counter() - started
+        verify_s = time.perf_counter() - started
+        stats.verify_time_s += verify_s
         if len(results) != len(running):
             raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
         stats.rounds += 1
         new_tokens: dict[int, list[int]] = {}
+        outcomes = []
         for sample, draft, verification in zip(running, drafts, results, strict=True):
             result = self._accept(spec, sample, draft, verification.target_probs, round_index)
             stats.count(len(draft.tokens), result)
+            outcomes.append(result)
             new_tokens[sample.index] = self._append(spec, sample, result.tokens)
-        return RoundEvent(round_index, new_tokens)
+        return RoundEvent(round_index, new_tokens), verify_s, outcomes
 
     @staticmethod
     def _accept(

@@ -87,8 +87,9 @@ class LawFit:
     summary: str
 
 
-def fit_to_law(name: str, counts: np.ndarray, law: np.ndarray, significance: float,
-               drafted: int, accepted: int, recovered: int) -> LawFit:
+def fit_to_law(
+    name: str, counts: np.ndarray, law: np.ndarray, significance: float, drafted: int, accepted: int, recovered: int
+) -> LawFit:
     statistic, p_value, bins = chi_square_fit(counts, law)
     needed = samples_to_detect(tv=0.05, bins=bins, significance=significance, power=0.9)
     total = int(counts.sum())
@@ -106,10 +107,21 @@ def all_sequences(vocab: int, length: int):
     return itertools.product(range(vocab), repeat=length)
 
 
-def sample_counts(stub, prompt: list[int], length: int, k: int, sampling: Sampling, total: int,
-                  max_new_tokens: int, seed: int, vocab: int = 8, chunk: int = 4096):
+def sample_counts(
+    stub,
+    prompt: list[int],
+    length: int,
+    k: int | None,
+    sampling: Sampling,
+    total: int,
+    max_new_tokens: int,
+    seed: int,
+    vocab: int = 8,
+    chunk: int = 4096,
+):
     """`total` pipeline samples (num_samples requests of `chunk`) -> counts of their first `length`
-    tokens ([vocab] * length), and the drafted / accepted / recovered totals the stats report."""
+    tokens ([vocab] * length), and the drafted / accepted / recovered totals the stats report.
+    k None leaves num_speculative_tokens unset: the coordinator's default K (auto by default)."""
     from specdec.client import build_request
 
     counts = np.zeros((vocab,) * length)

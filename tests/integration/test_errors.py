@@ -121,7 +121,9 @@ def test_unreachable_dependency_is_unavailable_not_a_hang(
 
 def test_client_deadline_is_deadline_exceeded(coordinator_stub):
     with pytest.raises(grpc.RpcError) as err:
-        coordinator_stub.Generate(build_request([1, 2], max_new_tokens=4000, ignore_eos=True), timeout=0.3)
+        # K = 1 fixed (auto K runs close to target-only here, and 62 such tokens can beat 0.3 s).
+        request = build_request([1, 2], max_new_tokens=4000, ignore_eos=True, num_speculative_tokens=1)
+        coordinator_stub.Generate(request, timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 

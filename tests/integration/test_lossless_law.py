@@ -85,3 +85,24 @@ def test_single_sequence_path_with_kv_cache_follows_target_law(coordinator_stub,
     assert rejections > total * 0.3, summary
     assert detectable <= 0.1, summary
     assert p_value > SIGNIFICANCE, summary
+
+
+def test_auto_k_samples_follow_target_law(coordinator_stub, tiny_loaded, record_property):
+    """Requests that leave K unset under the coordinator's default "auto": K changes between rounds.
+
+    The policy's first rounds are fixed (round 0 drafts its start K = 2, round 1 drafts nothing to
+    measure a 1-row Verify), and with 3 new tokens any third round has no room to draft, so the
+    run is the same whatever the timings: drafted == 2 * n exactly shows that the samples rejected
+    in round 0 (which had room for another draft) ran a K = 0 round after a K = 2 one.
+    """
+    total, sampling = 14_000, Sampling(1.0)
+    law = exact_sequence_law(tiny_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
+    counts, drafted, accepted, recovered = sample_counts(
+        coordinator_stub, PROMPT, LENGTH, None, sampling, total, LENGTH, seed=zlib.crc32(b"auto-T1") % 997
+    )
+    fit = fit_to_law("auto-K-T1", counts, law, SIGNIFICANCE, drafted, accepted, recovered)
+    record_property("summary", fit.summary)
+    assert total >= fit.needed, fit.summary
+    assert drafted == 2 * total, fit.summary  # K = 2 in round 0, K = 0 after it
+    assert recovered > total * 0.3, fit.summary  # many samples had room to draft again, and did not
+    assert fit.p_value > SIGNIFICANCE, fit.summary

@@ -28,7 +28,7 @@ def test_settings_are_frozen_and_validated():
     with pytest.raises(AttributeError):
         settings.port = 1  # type: ignore[misc]
     with pytest.raises(SystemExit):
-        load_settings(CoordinatorSettings, ["--default-k", "99"], {})
+        load_settings(CoordinatorSettings, ["--default-num-speculative-tokens", "99"], {})
     with pytest.raises(SystemExit):
         load_settings(DraftSettings, [], {"SPECDEC_DRAFT_PORT": "not-a-number"})
 
@@ -51,3 +51,26 @@ def test_the_ngram_draft_settings_and_their_bounds(capsys):
         with pytest.raises(SystemExit):
             load_settings(DraftSettings, [], env)
         assert "1 <= ngram_min <= ngram_max <= 32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        ([], {}, None),
+        ([], {"SPECDEC_COORDINATOR_DEFAULT_K": "auto"}, None),
+        ([], {"SPECDEC_COORDINATOR_DEFAULT_K": "AUTO"}, None),
+        ([], {"SPECDEC_COORDINATOR_DEFAULT_K": "1"}, 1),
+        (["--default-num-speculative-tokens", "0"], {"SPECDEC_COORDINATOR_DEFAULT_K": "auto"}, 0),
+        (["--default-num-speculative-tokens", "4", "--max-num-speculative-tokens", "4"], {}, 4),
+    ],
+)
+def test_the_default_k_is_auto_or_an_integer(argv, env, expected):
+    assert env_vars(CoordinatorSettings)["default_num_speculative_tokens"] == "SPECDEC_COORDINATOR_DEFAULT_K"
+    assert load_settings(CoordinatorSettings, argv, env).default_k() == expected
+
+
+@pytest.mark.parametrize("value", ["17", "-1", "1.5", "automatic", ""])
+def test_a_bad_default_k_is_refused_with_a_clear_message(value, capsys):
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, [], {"SPECDEC_COORDINATOR_DEFAULT_K": value})
+    assert "DEFAULT_K) must be 'auto' or an integer in [0, 16]" in capsys.readouterr().err

@@ -9,13 +9,25 @@ from coordinator.settings import CoordinatorSettings
 from specdec.client import build_request
 from specdec.core.errors import InvalidArgument
 
-SETTINGS = CoordinatorSettings(default_num_speculative_tokens=2, default_max_new_tokens=16, max_num_samples=4)
+SETTINGS = CoordinatorSettings(default_num_speculative_tokens="2", default_max_new_tokens=16, max_num_samples=4)
 
 
 def test_unset_fields_take_the_settings_defaults():
     params = validate_request(build_request("hi"), SETTINGS, streaming=False)
     assert (params.max_new_tokens, params.num_speculative_tokens, params.num_samples) == (16, 2, 1)
     assert params.sampling.temperature == 1.0 and params.sampling.top_p == 1.0
+
+
+def test_the_auto_default_gives_k_max_with_auto_k_and_an_explicit_k_stays_fixed():
+    settings = CoordinatorSettings(max_num_speculative_tokens=6)
+    assert settings.default_num_speculative_tokens == "auto"
+    params = validate_request(build_request("hi"), settings, streaming=False)
+    assert (params.num_speculative_tokens, params.auto_k) == (6, True)
+    params = validate_request(build_request("hi", num_speculative_tokens=3), settings, streaming=False)
+    assert (params.num_speculative_tokens, params.auto_k) == (3, False)
+    assert validate_request(build_request("hi"), SETTINGS, False).auto_k is False
+    target_only = CoordinatorSettings(default_num_speculative_tokens="auto", max_num_speculative_tokens=0)
+    assert validate_request(build_request("hi"), target_only, False).auto_k is False
 
 
 def test_explicit_zero_k_means_target_only():

@@ -94,6 +94,33 @@ def test_greedy_speculation_emits_what_the_target_alone_emits(local_pair):
         assert stats.drafted_tokens > 0
 
 
+def test_greedy_output_with_auto_k_is_the_target_alone(local_pair):
+    drafter, verifier = local_pair
+    alone, _, _ = _run(drafter, verifier, sampling=Sampling(0.0), num_speculative_tokens=0, max_new_tokens=40)
+    auto, stats, _ = _run(
+        drafter, verifier, sampling=Sampling(0.0), num_speculative_tokens=4, auto_k=True, max_new_tokens=40
+    )
+    assert auto[0].generated == alone[0].generated
+    # Round 0 drafts (start K = 2), round 1 measures a 1-row Verify: more than one K was used.
+    assert stats.drafted_tokens >= 2 and stats.rounds > 2 and stats.drafted_tokens <= 4 * stats.rounds
+
+
+def test_auto_k_rounds_follow_the_policy_and_a_sampled_run_is_lossless_per_round():
+    """The K of each round is the policy's choice: start K, then 0, then the model's (<= K max)."""
+    asked = []
+    drafter = FakeDrafter(
+        lambda r: (
+            asked.append(r.num_draft_tokens) or [1] * r.num_draft_tokens,
+            np.stack([_one_hot(1)] * r.num_draft_tokens),
+        )
+    )
+    verifier = FakeVerifier(lambda r: np.stack([_one_hot(1)] * (len(r.draft_token_ids) + 1)))
+    samples, stats, _ = _run(drafter, verifier, num_speculative_tokens=5, auto_k=True, max_new_tokens=60)
+    assert samples[0].generated == [1] * 60
+    assert asked[0] == 2 and max(asked) <= 5
+    assert stats.rounds < 60 and stats.drafted_tokens > 2  # every draft accepted: it keeps drafting
+
+
 def test_a_seeded_run_repeats_exactly(local_pair):
     first, _, _ = _run(*local_pair, seed=11)
     second, _, _ = _run(*local_pair, seed=11)

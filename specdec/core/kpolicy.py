@@ -1,0 +1,153 @@
+"""How many tokens to draft each round: a fixed K, or one chosen from what this request measured.
+
+`AdaptiveK` maximises expected tokens per second from the request's own history:
+
+    E[tokens | K] = 1 + sum_{i=1..K} prod_{j<=i} a_j          (Leviathan et al.)
+    time(K)       = K * c_draft + verify(K + 1) + overhead
+
+a_i is the acceptance of draft position i given 1..i-1 were accepted (accepted / offered at i,
+under a weak prior that leans on position i - 1), c_draft the measured draft cost per drafted
+token, verify(r) the measured cost of a Verify of r rows (unmeasured: the 1-row cost times a
+default factor, never below a measured shorter length). It reads only past rounds' outcomes and
+timings, so the output law stays exactly the target's: every round is lossless for any K fixed
+before it starts. No randomness: the same history gives the same choices (timings differ from
+run to run, so an auto-K request's tokens may too; its law does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One round as a K policy sees it."""
+
+    k: int  # the K chosen for the round
+    draft_s: float  # seconds of the Propose call (0 when nothing was drafted)
+    verify_s: float  # seconds of the Verify call
+    rows: int  # rows verified: the longest draft of the round + 1
+    drafts: Sequence[tuple[int, int]]  # per sample: (tokens drafted, tokens accepted)
+
+
+class FixedK:
+    """The K a request asked for, every round."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> int:
+        return self.k
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        pass
+
+
+class AdaptiveK:
+    """K in [0, k_max] per round, maximising this request's expected tokens per second.
+
+    Round 0 drafts `start_k` (its timings include the prefill and are not kept); round 1 drafts
+    nothing, to measure a 1-row Verify; later rounds take the best K under the model. After
+    `probe_every` rounds at K = 0 it drafts 1 once, so a request can leave K = 0 again.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        start_k: int = 2,
+        probe_every: int = 16,
+        prior_acceptance: float = 0.5,
+        prior_weight: float = 2.0,
+        default_verify_factor: float = 1.1,
+        default_draft_ratio: float = 0.1,
+        overhead_s: float = 0.0,
+    ):
+        if k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {k_max}")
+        self.k_max = k_max
+        self.start_k = min(start_k, k_max)
+        self.probe_every = probe_every
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.default_verify_factor = default_verify_factor
+        self.default_draft_ratio = default_draft_ratio
+        self.overhead_s = overhead_s
+        self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
+        self.accepted = [0] * (k_max + 1)
+        self.draft_s = 0.0
+        self.draft_steps = 0
+        self.verify_sum: dict[int, float] = {}  # rows -> summed seconds
+        self.verify_count: dict[int, int] = {}
+        self.rounds = 0
+        self.zero_streak = 0  # consecutive rounds the model chose K = 0
+
+    # ------------------------------------------------------------ the model
+
+    def acceptance(self) -> list[float]:
+        """[a_1..a_kmax]: acceptance at each position, given the ones before it were accepted."""
+        rates, prior = [], self.prior_acceptance
+        for i in range(1, self.k_max + 1):
+            prior = (self.accepted[i] + self.prior_weight * prior) / (self.offered[i] + self.prior_weight)
+            rates.append(prior)
+        return rates
+
+    def verify_cost(self, rows: int) -> float:
+        """Seconds of a Verify of `rows` rows: measured, else estimated from shorter ones."""
+        if self.verify_count.get(rows):
+            return self.verify_sum[rows] / self.verify_count[rows]
+        one = self.verify_sum[1] / self.verify_count[1] if self.verify_count.get(1) else 1.0
+        if rows == 1:
+            return one
+        shorter = [self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if r < rows]
+        return max([one * self.default_verify_factor, *shorter])
+
+    def draft_cost(self) -> float:
+        """Seconds per drafted token: measured, else a default fraction of a 1-row Verify."""
+        if self.draft_steps:
+            return self.draft_s / self.draft_steps
+        return self.default_draft_ratio * self.verify_cost(1)
+
+    def tokens_per_second(self) -> list[float]:
+        """[K = 0..k_max]: expected tokens per second under the current estimates."""
+        rates, draft = self.acceptance(), self.draft_cost()
+        expected, run, out = 1.0, 1.0, []
+        for k in range(self.k_max + 1):
+            if k:
+                run *= rates[k - 1]
+                expected += run
+            out.append(expected / (k * draft + self.verify_cost(k + 1) + self.overhead_s))
+        return out
+
+    # ------------------------------------------------------------ the policy
+
+    def choose(self) -> int:
+        if self.rounds == 0:
+            return self.start_k
+        if self.rounds == 1 or self.k_max == 0:
+            return 0
+        speeds = self.tokens_per_second()
+        best = 0
+        for k, speed in enumerate(speeds):
+            if speed > speeds[best]:  # ties go to the smaller K
+                best = k
+        if best == 0 and self.zero_streak >= self.probe_every:
+            return 1
+        return best
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        if self.rounds >= 2:  # rounds 0 and 1 are fixed, not the model's choices
+            self.zero_streak = self.zero_streak + 1 if outcome.k == 0 else 0
+        for drafted, accepted in outcome.drafts:
+            examined = min(drafted, accepted + 1, self.k_max)  # drafts after a rejection are never examined
+            for i in range(1, examined + 1):
+                self.offered[i] += 1
+                self.accepted[i] += i <= accepted
+        if self.rounds > 0:  # round 0's timings include the prefill
+            steps = max((drafted for drafted, _ in outcome.drafts), default=0)
+            if steps:
+                self.draft_s += outcome.draft_s
+                self.draft_steps += steps
+            self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
+            self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1
+        self.rounds += 1

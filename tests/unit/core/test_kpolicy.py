@@ -1,0 +1,111 @@
+"""specdec.core.kpolicy: K per round from a request's own measured acceptance and costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.core.kpolicy import AdaptiveK, FixedK, RoundOutcome
+
+
+def _play(policy: AdaptiveK, rounds: int, acceptance: float, verify, draft_per_token: float) -> list[int]:
+    """Play `rounds` rounds: each drafted token at position i is accepted while i <= acceptance * k
+    (a deterministic stand-in for acceptance); verify(rows) -> seconds. Returns the Ks chosen."""
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose()
+        assert 0 <= k <= policy.k_max
+        chosen.append(k)
+        accepted = round(acceptance * k) if acceptance < 1 else k
+        policy.observe(RoundOutcome(k, k * draft_per_token, verify(k + 1), k + 1, [(k, accepted)]))
+    return chosen
+
+
+def test_fixed_k_is_the_k_asked_for():
+    policy = FixedK(3)
+    policy.observe(RoundOutcome(3, 0.1, 0.1, 4, [(3, 0)]))
+    assert policy.choose() == 3
+
+
+def test_cold_start_drafts_start_k_then_measures_one_row():
+    policy = AdaptiveK(8)
+    assert policy.choose() == 2
+    policy.observe(RoundOutcome(2, 5.0, 9.0, 3, [(2, 1)]))  # prefill timings: not kept
+    assert policy.choose() == 0
+    assert policy.verify_count == {}
+    assert AdaptiveK(1).choose() == 1 and AdaptiveK(0).choose() == 0
+
+
+@pytest.mark.parametrize(
+    "verify",
+    [lambda rows: 0.01 * rows, lambda rows: 0.01 if rows == 1 else 0.02],
+    ids=["linear-in-rows", "two-rows-twice-one"],
+)
+def test_k_zero_when_two_rows_cost_twice_one(verify):
+    policy = AdaptiveK(8)
+    chosen = _play(policy, 40, acceptance=0.4, verify=verify, draft_per_token=0.001)
+    assert set(chosen[4:]) <= {0, 1} and chosen[4:].count(0) >= 32  # K=1 only as a probe
+    speeds = policy.tokens_per_second()
+    assert max(speeds[1:]) < speeds[0]
+
+
+def test_k_zero_when_nothing_is_accepted():
+    policy = AdaptiveK(8)
+    chosen = _play(policy, 40, acceptance=0.0, verify=lambda rows: 0.01, draft_per_token=0.001)
+    assert chosen[-15:].count(0) >= 14
+
+
+def test_k_above_zero_when_acceptance_is_high_and_verify_cheap():
+    policy = AdaptiveK(8)
+    chosen = _play(policy, 40, acceptance=1.0, verify=lambda rows: 0.01 + 0.0001 * rows, draft_per_token=0.0005)
+    assert chosen[-10:] == [8] * 10
+
+
+def test_it_probes_k_one_after_a_streak_at_zero():
+    policy = AdaptiveK(4, probe_every=16)
+    chosen = _play(policy, 60, acceptance=0.0, verify=lambda rows: 0.01 * rows, draft_per_token=0.005)
+    later = chosen[2:]
+    assert later.count(1) >= 2  # probes, and only probes
+    first_probe = later.index(1, 1)
+    assert later[first_probe - 16 : first_probe] == [0] * 16
+
+
+def test_a_probe_that_pays_brings_speculation_back():
+    policy = AdaptiveK(4, probe_every=4)
+    _play(policy, 20, acceptance=0.0, verify=lambda rows: 0.01 * rows, draft_per_token=0.005)
+    assert policy.choose() in (0, 1)
+    # The pair changes: every draft accepted, verify flat, drafting nearly free.
+    chosen = _play(policy, 60, acceptance=1.0, verify=lambda rows: 0.01, draft_per_token=0.0001)
+    assert chosen[-5:] == [4] * 5
+
+
+def test_k_never_exceeds_k_max_and_unmeasured_lengths_are_not_cheaper_than_measured_ones():
+    policy = AdaptiveK(3)
+    _play(policy, 30, acceptance=1.0, verify=lambda rows: 0.001, draft_per_token=0.0)
+    assert policy.choose() == 3
+    policy = AdaptiveK(6)
+    policy.observe(RoundOutcome(2, 0.0, 1.0, 3, [(2, 2)]))
+    policy.observe(RoundOutcome(0, 0.0, 1.0, 1, [(0, 0)]))
+    policy.observe(RoundOutcome(1, 0.0, 3.0, 2, [(1, 1)]))
+    assert policy.verify_cost(5) == pytest.approx(3.0)
+    assert policy.verify_cost(1) == pytest.approx(1.0)
+
+
+def test_acceptance_per_position_counts_only_examined_drafts():
+    policy = AdaptiveK(3, prior_weight=0.0)
+    policy.observe(RoundOutcome(3, 0.0, 0.0, 4, [(3, 1), (3, 3), (2, 0)]))
+    assert policy.offered[1:] == [3, 2, 1] and policy.accepted[1:] == [2, 1, 1]
+    assert policy.acceptance() == pytest.approx([2 / 3, 1 / 2, 1.0])
+
+
+def test_the_same_history_gives_the_same_choices():
+    def run() -> list[int]:
+        timings = iter([0.013, 0.011, 0.02, 0.017, 0.012] * 20)
+        policy = AdaptiveK(5)
+        chosen = []
+        for r in range(60):
+            k = policy.choose()
+            chosen.append(k)
+            policy.observe(RoundOutcome(k, 0.002 * k, next(timings), k + 1, [(k, r % (k + 1) if k else 0)]))
+        return chosen
+
+    assert run() == run()
