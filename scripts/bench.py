@@ -85,7 +85,7 @@ def bench(generators: dict, ks: list[int], prompts: list[str], max_new_tokens: i
                        "verify_s": 0.0} for m in generators for k in ks}
     for generate in generators.values():  # warm-up: first calls allocate
         generate(prompts[0], chat=True, max_new_tokens=8, temperature=temperature, seed=seed,
-                 num_speculative_tokens=max(ks))
+                 num_speculative_tokens=max(k for k in ks if k != "auto") if ks != ["auto"] else None)
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
             for k in ks:
@@ -93,7 +93,8 @@ def bench(generators: dict, ks: list[int], prompts: list[str], max_new_tokens: i
                     started = time.perf_counter()
                     response = generate(
                         prompt, chat=True, max_new_tokens=max_new_tokens, temperature=temperature,
-                        seed=seed + 1000 * rep + i, num_speculative_tokens=k, ignore_eos=True,
+                        seed=seed + 1000 * rep + i, num_speculative_tokens=None if k == "auto" else k,
+                        ignore_eos=True,
                     )
                     elapsed = time.perf_counter() - started
                     _add(totals[(mode, k)], response.stats, elapsed)
@@ -147,12 +148,12 @@ def format_table(result: dict) -> str:
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
         split = (f"{r['draft_ms_per_round']:>16.1f} {r['verify_ms_per_round']:>7.1f} {r['other_ms_per_round']:>6.1f}"
                  if r["draft_ms_per_round"] is not None else "")
-        lines.append(f"  {r['mode']:<10}   {r['k']:<3} {r['tokens_per_s']:>8.2f}   {speed:>6}   {acc:>10}   "
+        lines.append(f"  {r['mode']:<10}   {r['k']!s:<4} {r['tokens_per_s']:>8.2f}   {speed:>6}   {acc:>10}   "
                      f"{tpr:>12}{split}")
     if result["pipeline_overhead"]:
         lines.append("\n  distributed pipeline's own cost (grpc vs in-process, same prompts and seeds):")
         for o in result["pipeline_overhead"]:
-            lines.append(f"  K={o['k']:<3} in-process is {o['in_process_vs_grpc']:.2f}x the grpc mode's tokens/s; "
+            lines.append(f"  K={o['k']!s:<4} in-process is {o['in_process_vs_grpc']:.2f}x the grpc mode's tokens/s; "
                          f"{o['ms_per_round']:+.1f} ms per round")
     return "\n".join(lines)
 
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", help="bench this coordinator instead of starting the stack")
     parser.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
     parser.add_argument("--draft", default=os.environ.get("SPECDEC_DRAFT_MODEL", str(stack.DEFAULT_DRAFT)))
-    parser.add_argument("--ks", default="0,1,2,3,4", help="comma-separated K values (0 = target only)")
+    parser.add_argument("--ks", default="0,1,2,3,4",
+                        help="comma-separated K values (0 = target only; auto = the coordinator's adaptive K)")
     parser.add_argument("--modes", default=",".join(MODES), help="grpc (the running stack), in-process, or both")
     parser.add_argument("--in-process", action="store_true", help="only the in-process mode (same as --modes in-process)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="how many prompts of the set")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [k.strip() if k.strip() == "auto" else int(k) for k in args.ks.split(",")]
     modes = ["in-process"] if args.in_process else [m.strip() for m in args.modes.split(",")]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
