@@ -109,3 +109,14 @@ def test_a_draft_that_answers_for_the_wrong_number_of_sequences_is_an_error():
     _verify(relay, [3, 1], [])
     with pytest.raises(ServiceError, match="proposals for"):
         _propose(relay, [3, 1, 2])
+
+
+def test_rows_past_the_point_where_a_prefix_diverges_are_not_reused():
+    """Only rows whose tokens still match count; a prefix that diverged re-asks from there."""
+    drafter, verifier = FakeDrafter(), FakeVerifier()
+    relay = HiddenStateRelay(drafter, verifier)
+    _verify(relay, [3, 1, 4], [5, 9])  # rows for 3 1 4 5 9
+    diverged = [3, 1, 7, 7, 7]  # same length class, but only 3 1 match
+    assert _propose(relay, diverged).draft_token_ids == [] and drafter.seen == []
+    _verify(relay, diverged, [])
+    assert verifier.asked[-1] == 2
