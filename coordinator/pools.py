@@ -41,6 +41,15 @@ def check_compatible(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) 
         )
 
 
+def compatibility_error(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) -> str | None:
+    """Why speculative rounds with this pair are refused, or None when they are not."""
+    try:
+        check_compatible(draft, target)
+    except FailedPrecondition as exc:
+        return str(exc)
+    return None
+
+
 class Pools:
     """ModelInfo of both pools, checked against the coordinator's tokenizer and each other."""
 
@@ -69,10 +78,7 @@ class Pools:
             draft, error = None, None
             if need_draft:
                 draft = self.draft.info(deadline)
-                try:
-                    check_compatible(draft, target)
-                except FailedPrecondition as exc:
-                    error = str(exc)
+                error = compatibility_error(draft, target)
             self._info = PoolInfo(target, draft, error)
             self._info_at = time.monotonic()
             return self._info

@@ -12,29 +12,19 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.generation import Generator
-from coordinator.pools import PoolInfo, check_compatible
+from coordinator.pools import PoolInfo, compatibility_error
 from coordinator.settings import CoordinatorSettings
 from specdec.client import build_request
 from specdec.core.engine import SpeculativeEngine
-from specdec.core.errors import FailedPrecondition
 from specdec.core.protocols import NO_DEADLINE
 from specdec.models.sources import DEFAULT_DRAFT, DEFAULT_MODEL
 from specdec.v1 import coordinator_pb2
 
 
 def _pool_info(target, draft) -> PoolInfo:
-    from draft_service.ngram import NgramModel
-
-    error = "no draft model is loaded: speculative rounds need one; use num_speculative_tokens=0"
-    if isinstance(draft, NgramModel):
-        error = None  # built from the target's own tokenizer: its token ids are the target's
-    elif draft is not None:
-        error = None
-        try:
-            check_compatible(draft.info, target.info)
-        except FailedPrecondition as exc:
-            error = str(exc)
-    return PoolInfo(target.info, draft.info if draft is not None else None, error)
+    if draft is None:
+        return PoolInfo(target.info, None, "no draft model is loaded: use num_speculative_tokens=0")
+    return PoolInfo(target.info, draft.info, compatibility_error(draft.info, target.info))
 
 
 def _load(target: str, draft: str | None):
