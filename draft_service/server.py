@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from draft_service.hidden_rows import HiddenRowStore
 from draft_service.ngram import NgramModel, load_ngram
 from draft_service.proposer import propose
 from draft_service.settings import NGRAM_MODEL, DraftSettings
@@ -26,6 +27,11 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
     role = "draft"
 
+    def __init__(self, settings: DraftSettings):
+        super().__init__(settings)
+        # Bounded as the KV cache is: a session's rows are one per token it holds.
+        self.hidden_rows = HiddenRowStore(settings.cache_max_entries, settings.cache_max_tokens)
+
     def _requests(self, request: draft_pb2.ProposeRequest) -> list[DraftRequest]:
         info = self.loaded.info  # a model's Info reports its runner's limits; the ngram draft's too
         validate_sequence_count(len(request.sequences), self.settings.max_batch_sequences)
@@ -40,13 +46,30 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     f"num_draft_tokens must be in [1, {self.settings.max_draft_tokens}], got {seq.num_draft_tokens}"
                 )
             validate_length(len(prefix) + seq.num_draft_tokens, info.max_position_embeddings)
-            target_hidden = self._target_hidden(seq, len(prefix)) if info.needs_target_hidden_states else None
-            parsed.append(DraftRequest(seq.cache_key, prefix, seq.num_draft_tokens, seq.seed, target_hidden))
+            target_hidden = self._target_hidden(seq, prefix) if info.needs_target_hidden_states else None
+            parsed.append(
+                DraftRequest(
+                    seq.cache_key,
+                    prefix,
+                    seq.num_draft_tokens,
+                    seq.seed,
+                    target_hidden,
+                    hidden_key=seq.hidden_states_key,
+                )
+            )
+        # Kept only once every sequence is valid: a request refused (a miss too) stores nothing.
+        for r in parsed:
+            if r.target_hidden is not None:
+                self.hidden_rows.keep(r.hidden_key, r.prefix_token_ids, r.target_hidden)
         return parsed
 
-    def _target_hidden(self, seq: draft_pb2.DraftSequence, prefix_len: int):
-        """The [prefix_len - 1, H] hidden states a hidden-state-conditioned draft reads."""
-        expected = (prefix_len - 1, self.loaded.info.hidden_size)
+    def _target_hidden(self, seq: draft_pb2.DraftSequence, prefix: list[int]) -> np.ndarray:
+        """The [len(prefix) - 1, H] hidden states a hidden-state-conditioned draft reads: the rows
+        sent, after those kept under hidden_states_key when they start at hidden_states_offset > 0."""
+        offset = seq.hidden_states_offset
+        if not 0 <= offset <= len(prefix) - 1:
+            raise InvalidArgument(f"hidden_states_offset must be in [0, {len(prefix) - 1}], got {offset}")
+        expected = (len(prefix) - 1 - offset, self.loaded.info.hidden_size)
         if not seq.HasField("target_hidden_states"):
             raise InvalidArgument(
                 f"this draft is conditioned on the target's hidden states: target_hidden_states {list(expected)} is required"
@@ -59,7 +82,7 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
             raise InvalidArgument(f"target_hidden_states has shape {list(hidden.shape)}, expected {list(expected)}")
         if not np.isfinite(hidden).all():
             raise InvalidArgument("target_hidden_states holds non-finite values")
-        return hidden
+        return self.hidden_rows.join(seq.hidden_states_key, prefix, offset, hidden)
 
     @grpc_errors
     def Propose(self, request, context):  # noqa: N802 - gRPC name

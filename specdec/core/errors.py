@@ -10,6 +10,9 @@ from __future__ import annotations
 
 class ServiceError(Exception):
     code = "INTERNAL"
+    # A cause a caller can act on, beyond the status code (sent as trailing metadata
+    # `specdec-reason`, turned back into this class by the client); "" = none.
+    reason = ""
 
     def __init__(self, message: str, code: str | None = None):
         super().__init__(message)
@@ -27,6 +30,13 @@ class NotFound(ServiceError):
 
 class FailedPrecondition(ServiceError):
     code = "FAILED_PRECONDITION"
+
+
+class HiddenStatesMiss(FailedPrecondition):
+    """A hidden-state delta the draft cannot join to rows it keeps (another replica, an evicted
+    entry, a prefix that no longer lines up): the caller resends the rows from row 0."""
+
+    reason = "hidden-states-miss"
 
 
 class Aborted(ServiceError):

@@ -9,16 +9,24 @@ sequence drafts nothing, so that round is target-only.
 The target's state at position t is a function of tokens 0..t alone, so rows kept from one
 round are valid for any later prefix that starts with the same tokens: the rows of rejected
 draft tokens fall away because the next prefix no longer matches them.
+
+Deltas: a drafter over the wire (`keeps_hidden_states`) keeps the rows it was sent under a key
+this relay names per sequence, so after the first Propose each one carries only the rows the
+draft has not seen (`DraftRequest.hidden_offset`). When the draft holds none that fit (another
+replica, an evicted entry) it raises HiddenStatesMiss and the relay resends from row 0, once.
+A joined history is bitwise the one the relay holds: rows of positions a prefix keeps never
+change within a generation, and a key never outlives its relay.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from specdec.core.errors import ServiceError
+from specdec.core.errors import HiddenStatesMiss, ServiceError
 from specdec.core.protocols import (
     Deadline,
     Drafter,
@@ -31,6 +39,8 @@ from specdec.core.protocols import (
 from specdec.core.sampling import Sampling
 from specdec.core.tokens import common_prefix_length
 
+_MAX_MISSES = 2
+
 
 class HiddenStateRelay:
     """A Drafter and a Verifier in one, wrapping the real pair for one generation."""
@@ -40,6 +50,12 @@ class HiddenStateRelay:
         self._verifier = verifier
         # sequence -> (the tokens the rows were computed on, [m, H] rows of their first m positions)
         self._held: dict[int, tuple[list[int], np.ndarray]] = {}
+        # In process the drafter reads the held array itself: a delta would only add a join.
+        self._deltas = bool(getattr(drafter, "keeps_hidden_states", False))
+        self._key_prefix = secrets.token_hex(8)  # one generation's keys never name another's rows
+        # sequence -> the prefix of its last Propose the draft served (it keeps those rows)
+        self._sent: dict[int, list[int]] = {}
+        self._misses = 0
 
     def _known(self, sequence: int, prefix: list[int]) -> np.ndarray | None:
         """[m, H] rows of the prefix's positions 0..m-1 held for `sequence`, m <= len(prefix) - 1."""
@@ -56,14 +72,48 @@ class HiddenStateRelay:
         for i, request in enumerate(requests):
             rows = self._known(request.sequence, request.prefix_token_ids)
             if rows is not None and rows.shape[0] == len(request.prefix_token_ids) - 1:
-                ready[i] = replace(request, target_hidden=rows)
+                ready[i] = replace(request, target_hidden=rows, hidden_key=self._key(request.sequence))
         if ready:
-            drafted = self._drafter.propose(list(ready.values()), sampling, deadline)
+            drafted = self._draft(list(ready.values()), sampling, deadline)
             if len(drafted) != len(ready):
                 raise ServiceError(f"draft returned {len(drafted)} proposals for {len(ready)} sequences")
             for i, proposal in zip(ready, drafted, strict=True):
                 proposals[i] = proposal
         return proposals
+
+    def _key(self, sequence: int) -> str:
+        return f"{self._key_prefix}/{sequence}" if self._deltas_on() else ""
+
+    def _deltas_on(self) -> bool:
+        # A pool that spreads a session's calls over replicas misses on most rounds, and each
+        # miss costs a second call: after two, this generation sends whole histories.
+        return self._deltas and self._misses < _MAX_MISSES
+
+    def _draft(self, full: list[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
+        """Propose with deltas where the draft should hold the rows; on a miss, once from row 0."""
+        if not self._deltas_on():
+            return self._drafter.propose(full, sampling, deadline)
+        deltas = [self._delta(r) for r in full]
+        try:
+            drafted = self._drafter.propose(deltas, sampling, deadline)
+        except HiddenStatesMiss:
+            if all(r.hidden_offset == 0 for r in deltas):
+                raise  # nothing shorter was sent: the draft is broken, a resend would not help
+            self._misses += 1
+            drafted = self._drafter.propose(full, sampling, deadline)
+        for request in full:
+            self._sent[request.sequence] = request.prefix_token_ids
+        return drafted
+
+    def _delta(self, request: DraftRequest) -> DraftRequest:
+        """`request` carrying only the rows past those the draft kept from its last Propose."""
+        sent = self._sent.get(request.sequence)
+        if sent is None:
+            return request
+        prefix = request.prefix_token_ids
+        # The draft holds rows 0..len(sent)-2; row t stays valid while tokens 0..t agree.
+        offset = min(len(sent) - 1, common_prefix_length(sent, prefix), len(prefix) - 1)
+        return replace(request, target_hidden=request.target_hidden[offset:], hidden_offset=offset)
 
     def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
         known = [self._known(r.sequence, r.prefix_token_ids) for r in requests]

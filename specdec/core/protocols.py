@@ -48,11 +48,16 @@ class DraftRequest:
     prefix_token_ids: list[int]
     num_draft_tokens: int  # K: propose at most this many
     seed: int  # seeds the K uniforms the draft samples with
-    # [len(prefix) - 1, H]: the target's final hidden states, for a draft conditioned on them.
+    # [len(prefix) - 1 - hidden_offset, H]: the target's final hidden states at prefix positions
+    # hidden_offset.., for a draft conditioned on them.
     target_hidden: np.ndarray | None = None
     # Which of the engine's sequences this is (its sample index); never sent over the wire.
     # Lets an adapter carry per-sequence state from one round's Verify to the next Propose.
     sequence: int = 0
+    # > 0: target_hidden is a delta; the draft joins it with rows 0..hidden_offset-1 it keeps
+    # under hidden_key from an earlier request (HiddenStatesMiss when it holds none that fit).
+    hidden_offset: int = 0
+    hidden_key: str = ""  # names the caller's copy of the rows ("" = the draft keeps nothing)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from specdec.core.errors import DeadlineExceeded, InvalidArgument, ServiceError,
 from specdec.core.protocols import Deadline, DraftProposal, DraftRequest, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling
 from specdec.rpc import wire
+from specdec.rpc.errors import error_from_reason
 from specdec.rpc.server import grpc_message_options
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
@@ -60,6 +61,9 @@ def open_channel(address: str, max_message_mb: int) -> grpc.Channel:
 def _mapped(service: str, address: str, exc: grpc.RpcError) -> ServiceError:
     code, details = exc.code(), exc.details()
     message = f"{service} service at {address}: {details}"
+    typed = error_from_reason(exc.trailing_metadata(), message)
+    if typed is not None:
+        return typed
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(message)
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -100,6 +104,10 @@ class ModelClient:
 
 class DraftClient(ModelClient):
     """The draft pool as the engine's Drafter."""
+
+    # The draft service keeps the hidden-state rows it was sent (per hidden_key): a relay may send
+    # only new ones, and gets HiddenStatesMiss when this call's replica does not hold the rest.
+    keeps_hidden_states = True
 
     def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
         super().__init__(

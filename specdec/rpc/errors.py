@@ -11,9 +11,13 @@ import logging
 
 import grpc
 
-from specdec.core.errors import ServiceError
+from specdec.core.errors import HiddenStatesMiss, ServiceError
 
 log = logging.getLogger(__name__)
+
+REASON_KEY = "specdec-reason"
+# ServiceError subclasses a client rebuilds from the reason a status carries.
+_BY_REASON: dict[str, type[ServiceError]] = {HiddenStatesMiss.reason: HiddenStatesMiss}
 
 
 def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -21,6 +25,20 @@ def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.__members__.get(exc.code, grpc.StatusCode.INTERNAL), str(exc)
     log.exception("unhandled error")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def error_from_reason(metadata, message: str) -> ServiceError | None:
+    """The typed error a status's trailing metadata names (`REASON_KEY`), or None."""
+    for key, value in metadata or ():
+        if key == REASON_KEY and value in _BY_REASON:
+            return _BY_REASON[value](message)
+    return None
+
+
+def _abort(context, exc: Exception) -> None:
+    if isinstance(exc, ServiceError) and exc.reason:
+        context.set_trailing_metadata(((REASON_KEY, exc.reason),))
+    context.abort(*status_for(exc))
 
 
 def grpc_errors(method):
@@ -32,7 +50,7 @@ def grpc_errors(method):
             try:
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every error becomes a status
-                context.abort(*status_for(exc))
+                _abort(context, exc)
 
         return stream_wrapper
 
@@ -41,6 +59,6 @@ def grpc_errors(method):
         try:
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            context.abort(*status_for(exc))
+            _abort(context, exc)
 
     return wrapper

@@ -79,6 +79,8 @@ def propose_request(requests: list[DraftRequest], sampling: Sampling) -> draft_p
                 num_draft_tokens=r.num_draft_tokens,
                 seed=r.seed,
                 target_hidden_states=encode_hidden_states(r.target_hidden) if r.target_hidden is not None else None,
+                hidden_states_offset=r.hidden_offset,
+                hidden_states_key=r.hidden_key,
             )
             for r in requests
         ],

@@ -134,12 +134,16 @@ def test_bad_hidden_state_requests_get_invalid_argument(hidden_stack):
     hidden = hidden_stack["draft"].runner.hidden_size
     with grpc.insecure_channel(stack.draft_address) as channel:
         draft = draft_pb2_grpc.DraftServiceStub(channel)
-        for states, words in (
-            (None, "is required"),
-            (np.zeros((1, hidden)), "expected [2,"),
-            (np.full((2, hidden), np.nan), "non-finite"),
+        for states, offset, words in (
+            (None, 0, "is required"),
+            (np.zeros((1, hidden)), 0, "expected [2,"),
+            (np.full((2, hidden), np.nan), 0, "non-finite"),
+            (np.zeros((0, hidden)), 3, "hidden_states_offset must be in [0, 2]"),
+            (np.zeros((1, hidden)), -1, "hidden_states_offset must be in [0, 2]"),
         ):
-            seq = draft_pb2.DraftSequence(prefix_token_ids=[3, 1, 4], num_draft_tokens=2, seed=1)
+            seq = draft_pb2.DraftSequence(
+                prefix_token_ids=[3, 1, 4], num_draft_tokens=2, seed=1, hidden_states_offset=offset
+            )
             if states is not None:
                 seq.target_hidden_states.CopyFrom(encode_hidden_states(states))
             with pytest.raises(grpc.RpcError) as info:
@@ -178,6 +182,7 @@ def test_each_propose_carries_the_targets_states_for_its_whole_prefix(hidden_sta
     from specdec.core.engine import GenerationSpec, SpeculativeEngine, Stats, new_samples
     from specdec.core.protocols import Deadline
     from specdec.rpc.clients import DraftClient, TargetClient
+
     stack = hidden_stack["stack"]
     draft = _Recording(DraftClient(stack.draft_address, 30, 10, 64), "propose")
     target = _Recording(TargetClient(stack.target_address, 30, 10, 64), "verify")
@@ -196,17 +201,20 @@ def test_each_propose_carries_the_targets_states_for_its_whole_prefix(hidden_sta
     for _ in engine.run(spec, samples, Stats(), Deadline(None)):
         pass
     assert all(len(s.generated) == 16 for s in samples)
-    checked = 0
+    checked, offsets = 0, []
     for requests in draft.requests:
         for seq in requests:
             prefix = list(seq.prefix_token_ids)
             sent = seq.target_hidden.astype(np.float32)
-            expected = _target_hidden(tiny_loaded, prefix)[:-1]
+            # After its first Propose a sequence carries only the rows the draft has not seen.
+            expected = _target_hidden(tiny_loaded, prefix)[seq.hidden_offset : -1]
             np.testing.assert_allclose(sent, expected, rtol=2e-3, atol=2e-3)  # float16 on the wire
             checked += 1
+            offsets.append(seq.hidden_offset)
     # Every round drafts but the first (the target's, for the whole context) and perhaps the
     # last (one token left to generate: nothing to draft).
     assert checked >= len(target.requests) - 2 and len(target.requests[0][0].draft_token_ids) == 0
+    assert offsets[:num_samples] == [0] * num_samples and all(o > 0 for o in offsets[num_samples:])
     draft.client.close()
     target.client.close()
 
@@ -223,3 +231,141 @@ def test_a_target_that_returns_no_states_is_a_clear_error():
     relay = HiddenStateRelay(drafter=None, verifier=NoStates())
     with pytest.raises(ServiceError, match="returned no hidden states"):
         relay.verify([VerifyRequest("", [3, 1, 4], [])], Sampling(1.0), NO_DEADLINE)
+
+
+# ---------------------------------------------------------------- deltas through the real draft service
+
+
+def _two_rounds(client, tiny_loaded, cache_keys, hidden_keys, delta):
+    """Proposals of two rounds (prefixes of 3 then 5 tokens) for each sequence, rows whole or as a delta."""
+    from specdec.core.protocols import NO_DEADLINE, DraftRequest
+
+    first, later = [3, 1, 4], [3, 1, 4, 1, 5]
+    rows = _target_hidden(tiny_loaded, later)[:-1].astype(np.float16)  # [4, H]; rows 0..1 are `first`'s
+    sampling, out = Sampling(1.0), []
+    for prefix, seed, offset in ((first, 1, 0), (later, 2, 2 if delta else 0)):
+        requests = [
+            DraftRequest(c, prefix, 3, seed + i, rows[offset : len(prefix) - 1], hidden_offset=offset, hidden_key=k)
+            for i, (c, k) in enumerate(zip(cache_keys, hidden_keys, strict=True))
+        ]
+        out.extend(client.propose(requests, sampling, NO_DEADLINE))
+    return out
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_delta_gives_the_draft_exactly_what_the_whole_history_does(hidden_stack, tiny_loaded, batch):
+    """Same calls on the draft's model either way (fresh KV-cache keys), so the results are bitwise equal."""
+    from specdec.rpc.clients import DraftClient
+
+    client = DraftClient(hidden_stack["stack"].draft_address, 30, 10, 64)
+    tag = "batch" if batch else "one"
+    caches = (["", ""] if batch else [f"{tag}-full"], ["", ""] if batch else [f"{tag}-delta"])
+    full = _two_rounds(client, tiny_loaded, caches[0], [""] * len(caches[0]), delta=False)
+    keys = [f"{tag}-delta/{i}" for i in range(len(caches[1]))]
+    delta = _two_rounds(client, tiny_loaded, caches[1], keys, delta=True)
+    client.close()
+    for whole, joined in zip(full, delta, strict=True):
+        assert whole.draft_token_ids == joined.draft_token_ids
+        assert np.array_equal(whole.draft_probs, joined.draft_probs)
+
+
+def test_a_delta_the_draft_cannot_join_is_failed_precondition_and_stores_nothing(hidden_stack, tiny_loaded):
+    from specdec.core.errors import HiddenStatesMiss
+    from specdec.core.protocols import NO_DEADLINE
+    from specdec.rpc.clients import DraftClient
+    from specdec.rpc.wire import encode_hidden_states
+    from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+    address = hidden_stack["stack"].draft_address
+    rows = _target_hidden(tiny_loaded, [3, 1, 4, 1, 5])[:-1]
+
+    def seq(prefix, offset, key):
+        states = encode_hidden_states(rows[offset : len(prefix) - 1])
+        return draft_pb2.DraftSequence(
+            prefix_token_ids=prefix,
+            num_draft_tokens=2,
+            seed=1,
+            target_hidden_states=states,
+            hidden_states_offset=offset,
+            hidden_states_key=key,
+        )
+
+    with grpc.insecure_channel(address) as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        # A batch whose second sequence misses is refused whole: its first sequence is not kept either.
+        refused = draft_pb2.ProposeRequest(sequences=[seq([3, 1, 4], 0, "miss/0"), seq([3, 1, 4, 1], 2, "miss/1")])
+        for request in (refused, draft_pb2.ProposeRequest(sequences=[seq([3, 1, 4, 1], 2, "miss/0")])):
+            with pytest.raises(grpc.RpcError) as info:
+                draft.Propose(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "resend target_hidden_states from row 0" in info.value.details()
+            assert ("specdec-reason", "hidden-states-miss") in info.value.trailing_metadata()
+        # A delta whose prefix diverged before its offset misses, and leaves the kept rows as they were.
+        draft.Propose(draft_pb2.ProposeRequest(sequences=[seq([3, 1, 4], 0, "kept")]), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            draft.Propose(draft_pb2.ProposeRequest(sequences=[seq([3, 2, 4, 1], 2, "kept")]), timeout=10)
+        assert "does not line up" in info.value.details()
+        draft.Propose(draft_pb2.ProposeRequest(sequences=[seq([3, 1, 4, 1, 5], 2, "kept")]), timeout=10)
+    client = DraftClient(address, 30, 10, 64)
+    with pytest.raises(HiddenStatesMiss, match="resend"):
+        client.call(
+            client.stub.Propose, draft_pb2.ProposeRequest(sequences=[seq([3, 1, 4, 1], 2, "never")]), NO_DEADLINE
+        )
+    client.close()
+
+
+class _Replicas:
+    """A draft pool of clients to separate servers: call i goes to route[i] (the last one from then on)."""
+
+    keeps_hidden_states = True
+
+    def __init__(self, clients, route):
+        self.clients, self.route, self.calls = clients, route, []
+
+    def propose(self, requests, sampling, deadline):
+        index = self.route[min(len(self.calls), len(self.route) - 1)]
+        self.calls.append((index, [r.hidden_offset for r in requests]))
+        return self.clients[index].propose(requests, sampling, deadline)
+
+
+def _generate(drafter, address, cache_key):
+    from specdec.core.engine import GenerationSpec, SpeculativeEngine, Stats, new_samples
+    from specdec.core.protocols import NO_DEADLINE
+    from specdec.rpc.clients import TargetClient
+
+    target = TargetClient(address, 30, 10, 64)
+    spec = GenerationSpec([3, 1, 4], 14, Sampling(1.0), 33, 3, cache_key=cache_key, draft_needs_hidden=True)
+    samples = new_samples(spec)
+    for _ in SpeculativeEngine(drafter, target, str).run(spec, samples, Stats(), NO_DEADLINE):
+        pass
+    target.close()
+    return samples[0].generated
+
+
+def test_a_replica_that_never_saw_the_session_gets_the_whole_history_and_the_output_is_unchanged(hidden_stack):
+    """Deltas, misses and resends change no token: the draft reads the same rows every way."""
+    from draft_service.server import create_server
+    from draft_service.settings import DraftSettings
+    from specdec.rpc.clients import DraftClient
+    from specdec.settings import load_settings
+
+    stack = hidden_stack["stack"]
+    settings = load_settings(DraftSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0)
+    other, port = create_server(settings, hidden_stack["draft"])  # the same model: the same laws
+    clients = [DraftClient(stack.draft_address, 30, 10, 64), DraftClient(f"127.0.0.1:{port}", 30, 10, 64)]
+
+    class WholeHistories:  # the draft service as in-process drafters are reached: rows from 0, every time
+        def propose(self, requests, sampling, deadline):
+            return clients[0].propose(requests, sampling, deadline)
+
+    whole = _generate(WholeHistories(), stack.target_address, "replicas-whole")
+    one = _Replicas(clients, route=[0])
+    pool = _Replicas(clients, route=[0, 1])  # the 2nd Propose lands on a replica that never saw it
+    assert _generate(one, stack.target_address, "replicas-one") == whole
+    assert _generate(pool, stack.target_address, "replicas-two") == whole
+    assert all(offsets[0] > 0 for _, offsets in one.calls[1:])
+    assert pool.calls[:3] == [(0, [0]), (1, [pool.calls[1][1][0]]), (1, [0])] and pool.calls[1][1][0] > 0
+    assert all(offsets[0] > 0 for _, offsets in pool.calls[3:])  # the replica kept the resent rows
+    for client in clients:
+        client.close()
+    other.server.stop(0).wait(10)

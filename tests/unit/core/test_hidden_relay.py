@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.core.errors import ServiceError
+from specdec.core.errors import HiddenStatesMiss, ServiceError
 from specdec.core.hidden import HiddenStateRelay
 from specdec.core.protocols import NO_DEADLINE, DraftProposal, DraftRequest, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling
@@ -120,3 +120,114 @@ def test_rows_past_the_point_where_a_prefix_diverges_are_not_reused():
     assert _propose(relay, diverged).draft_token_ids == [] and drafter.seen == []
     _verify(relay, diverged, [])
     assert verifier.asked[-1] == 2
+
+
+# ---------------------------------------------------------------- deltas
+
+
+class Replica(FakeDrafter):
+    """A draft service replica: joins each delta with the rows it keeps, as the servicer does."""
+
+    keeps_hidden_states = True
+
+    def __init__(self, store=None):
+        super().__init__()
+        from draft_service.hidden_rows import HiddenRowStore
+
+        self.store = store if store is not None else HiddenRowStore(8, 1000)
+        self.joined: list[np.ndarray] = []
+
+    def propose(self, requests, sampling, deadline):
+        self.seen.extend(requests)
+        joined = [self.store.join(r.hidden_key, r.prefix_token_ids, r.hidden_offset, r.target_hidden) for r in requests]
+        for request, rows in zip(requests, joined, strict=True):
+            self.store.keep(request.hidden_key, request.prefix_token_ids, rows)
+        self.joined.extend(joined)
+        return [DraftProposal([1], np.full((1, 3), 1 / 3, np.float32)) for _ in requests]
+
+
+class Pool:
+    """A pool whose calls go to the replicas in the order `route` gives (then round robin)."""
+
+    keeps_hidden_states = True
+
+    def __init__(self, replicas, route=()):
+        self.replicas, self.route, self.log = replicas, list(route), []
+
+    def propose(self, requests, sampling, deadline):
+        call = len(self.log)
+        index = self.route[call] if call < len(self.route) else call % len(self.replicas)
+        self.log.append((index, *[(r.hidden_offset, bool(r.hidden_key)) for r in requests]))
+        return self.replicas[index].propose(requests, sampling, deadline)
+
+
+def _rounds(relay, prefixes):
+    """Verify then Propose each prefix in turn (a round drafts on the rows the last Verify held)."""
+    _verify(relay, prefixes[0][:-1], [])
+    for prefix in prefixes:
+        _verify(relay, prefix[:-1], [prefix[-1]])
+        _propose(relay, prefix)
+
+
+def _history(prefix):
+    return np.stack([_state(prefix, t) for t in range(len(prefix) - 1)])
+
+
+PREFIXES = [[3, 1, 4], [3, 1, 4, 1, 5], [3, 1, 4, 1, 5, 9, 2]]
+
+
+def test_after_the_first_propose_only_new_rows_are_sent_and_the_join_is_the_full_history():
+    replica = Replica()
+    _rounds(HiddenStateRelay(replica, FakeVerifier()), PREFIXES)
+    assert [(r.hidden_offset, r.target_hidden.shape[0]) for r in replica.seen] == [(0, 2), (2, 2), (4, 2)]
+    assert len({r.hidden_key for r in replica.seen}) == 1 and replica.seen[0].hidden_key
+    for prefix, joined in zip(PREFIXES, replica.joined, strict=True):
+        assert joined.dtype == np.float16 and np.array_equal(joined, _history(prefix))  # bitwise
+
+
+def test_a_replica_that_never_saw_the_sequence_misses_and_the_relay_resends_once_from_row_0():
+    first, second = Replica(), Replica()
+    pool = Pool([first, second], route=[0, 1, 1])
+    _rounds(HiddenStateRelay(pool, FakeVerifier()), PREFIXES[:2])
+    # Round 1 on `first` (whole history); round 2's delta misses on `second`, which then gets row 0 on.
+    assert pool.log == [(0, (0, True)), (1, (2, True)), (1, (0, True))]
+    assert len(second.joined) == 1 and np.array_equal(second.joined[0], _history(PREFIXES[1]))
+    assert len(second.store) == 1  # kept from the resend, nothing from the miss
+
+
+def test_a_relay_that_keeps_missing_sends_whole_histories():
+    pool = Pool([Replica(), Replica()])  # round robin: every delta lands on the replica a round behind
+    _rounds(HiddenStateRelay(pool, FakeVerifier()), [[3, 1, 4, *range(n)] for n in range(5)])
+    assert pool.log == [
+        (0, (0, True)),
+        (1, (2, True)),  # miss
+        (0, (0, True)),
+        (1, (3, True)),  # miss: from now on, whole histories, kept nowhere
+        (0, (0, True)),
+        (1, (0, False)),
+        (0, (0, False)),
+    ]
+
+
+def test_a_miss_on_a_whole_history_is_not_retried():
+    class Broken(FakeDrafter):
+        keeps_hidden_states = True
+
+        def propose(self, requests, sampling, deadline):
+            super().propose(requests, sampling, deadline)
+            raise HiddenStatesMiss("broken")
+
+    drafter = Broken()
+    relay = HiddenStateRelay(drafter, FakeVerifier())
+    _verify(relay, [3, 1, 4], [])
+    with pytest.raises(HiddenStatesMiss):
+        _propose(relay, [3, 1, 4, 1])
+    assert len(drafter.seen) == 1
+
+
+def test_an_in_process_drafter_gets_the_whole_history_every_round():
+    drafter = FakeDrafter()  # no keeps_hidden_states: the relay hands it the held rows as they are
+    _rounds(HiddenStateRelay(drafter, FakeVerifier()), PREFIXES)
+    assert [(r.hidden_offset, r.hidden_key) for r in drafter.seen] == [(0, "")] * 3
+    for prefix, request in zip(PREFIXES, drafter.seen, strict=True):
+        assert np.array_equal(request.target_hidden, _history(prefix))

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specdec.core import errors
-from specdec.rpc.errors import grpc_errors, status_for
+from specdec.rpc.errors import error_from_reason, grpc_errors, status_for
 
 
 class AbortCalled(Exception):
@@ -19,6 +19,10 @@ class AbortCalled(Exception):
 class FakeContext:
     def __init__(self):
         self.aborts: list[tuple[grpc.StatusCode, str]] = []
+        self.trailing_metadata: tuple = ()
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing_metadata = metadata
 
     def abort(self, code, details):
         self.aborts.append((code, details))
@@ -125,3 +129,21 @@ def test_a_streaming_method_that_succeeds_yields_everything():
 def test_the_decorated_methods_keep_their_names_and_kinds():
     assert Servicer.Unary.__name__ == "Unary" and not inspect.isgeneratorfunction(Servicer.Unary)
     assert Servicer.Stream.__name__ == "Stream" and inspect.isgeneratorfunction(Servicer.Stream)
+
+
+def test_an_error_with_a_reason_sends_it_and_the_client_gets_the_typed_error_back():
+    context = FakeContext()
+    with pytest.raises(AbortCalled):
+        Servicer(errors.HiddenStatesMiss("resend from row 0")).Unary("req", context)
+    assert context.aborts == [(grpc.StatusCode.FAILED_PRECONDITION, "resend from row 0")]
+    rebuilt = error_from_reason(context.trailing_metadata, "draft service at x: resend from row 0")
+    assert type(rebuilt) is errors.HiddenStatesMiss and str(rebuilt) == "draft service at x: resend from row 0"
+
+
+def test_errors_without_a_reason_send_no_metadata_and_unknown_reasons_are_ignored():
+    context = FakeContext()
+    with pytest.raises(AbortCalled):
+        Servicer(errors.FailedPrecondition("incompatible")).Unary("req", context)
+    assert context.trailing_metadata == ()
+    assert error_from_reason((("specdec-reason", "something-new"), ("other", "x")), "m") is None
+    assert error_from_reason(None, "m") is None

@@ -136,6 +136,8 @@ def _draft_requests_from_proto(request: draft_pb2.ProposeRequest) -> list[DraftR
             seq.num_draft_tokens,
             seq.seed,
             wire.decode_probs(seq.target_hidden_states) if seq.HasField("target_hidden_states") else None,
+            hidden_offset=seq.hidden_states_offset,
+            hidden_key=seq.hidden_states_key,
         )
         for seq in request.sequences
     ]
@@ -144,7 +146,7 @@ def _draft_requests_from_proto(request: draft_pb2.ProposeRequest) -> list[DraftR
 def test_propose_request_carries_every_field():
     hidden = RNG.standard_normal((2, 4)).astype(np.float16)
     requests = [
-        DraftRequest("cache-a", [1, 2, 3], 4, 2**64 - 1, hidden, sequence=7),
+        DraftRequest("cache-a", [1, 2, 3], 4, 2**64 - 1, hidden[1:], sequence=7, hidden_offset=1, hidden_key="g/7"),
         DraftRequest("", [5], 1, 0),
     ]
     sampling = Sampling(0.5, top_k=3, top_p=0.75)
@@ -158,7 +160,8 @@ def test_propose_request_carries_every_field():
         4,
         2**64 - 1,
     )
-    assert first.target_hidden.dtype == np.float16 and np.array_equal(first.target_hidden, hidden)
+    assert first.target_hidden.dtype == np.float16 and np.array_equal(first.target_hidden, hidden[1:])
+    assert (first.hidden_offset, first.hidden_key) == (1, "g/7")
     assert first.sequence == 0  # never sent
     assert second == DraftRequest("", [5], 1, 0, None)
     assert not message.sequences[1].HasField("target_hidden_states")
