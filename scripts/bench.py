@@ -1,17 +1,38 @@
-"""End-to-end throughput: target only (K = 0) vs speculative K = 1..4, through the running
-services (grpc mode) and with the same engine and models in this process (in-process mode).
+"""Speculative decoding on real workloads: every workload x drafter x temperature x K, with the
+target alone (K = 0) measured in the same run, interleaved, as the baseline of each ratio.
 
-  python scripts/bench.py                      start the stack (target + shipped draft), bench both modes, stop it
-  python scripts/bench.py --address HOST:PORT  bench a stack that is already up (and the in-process mode)
-  python scripts/bench.py --in-process         the in-process mode only: no servers, no Redis
+  python scripts/bench.py                              all workloads, drafters model and ngram, in process
+  python scripts/bench.py --drafters ngram --ks 0,4,auto --temperatures 0
+  python scripts/bench.py --prompts my.jsonl           your own prompts (see below)
+  python scripts/bench.py --modes grpc                 through the real stack (started per drafter)
+  python scripts/bench.py --modes grpc,in-process      both, interleaved: the pipeline's own cost per round
+  python scripts/bench.py --address HOST:PORT --modes grpc   a stack that is already up (its one drafter)
+  python scripts/bench.py --background-load 2          the same under 2 busy CPU processes
+  python scripts/bench.py --json                       one JSON object per row on stdout (progress on stderr)
 
-The two modes run the same requests interleaved; their ratio is the distributed pipeline's own
-cost (gRPC, serialisation, Redis), reported per round.
+Workloads (scripts/workloads.py, built from the Python install's own sources and docs): code-editing,
+summarisation, document-qa (input-grounded: the answer copies the prompt), multi-turn-chat (later
+turns quote earlier ones) and open-ended. `--prompts FILE` takes JSONL instead, one object per line:
+{"workload": "mine", "prompt": "first user turn", "turns": ["optional", "later user turns"]}.
 
-Every request uses the chat template, temperature 1, a fixed seed and ignore_eos (so every K
-generates the same number of tokens). K values are interleaved per prompt and repeat, so a
-background load drifting over time hits all K alike. tokens/s is generated tokens / client-side
-wall time, summed over prompts and repeats.
+Drafters: `model` is the distilled draft (`--draft`, default the one `make run` serves); any other
+name (`ngram`, `suffix`, `hybrid`) is passed as the draft model spec (SPECDEC_DRAFT_MODEL, or the
+in-process pipeline's draft), and LABEL=SPEC names any other draft, e.g. `tokens=drafts/smollm2-135m-instruct-2l`.
+Drafters run one after the other (each with its own K = 0 baseline); inside one, for every
+conversation, each temperature, then every K (order rotated per conversation), then every mode, so
+drift over time hits K = 0 and K > 0 alike. Requests go through the chat template (the client's
+`chat=True`) with a seed per conversation shared by all K and modes. EOS ends an answer (what a user
+is served; at T = 0 every K emits the same tokens); `--ignore-eos` generates exactly
+--max-new-tokens every time instead. A multi-turn conversation continues its session in the grpc
+mode; in process (no sessions) each later turn sends the whole history as token ids, the same
+context the session would hold, and its prefix is computed again (no KV cache kept across calls).
+
+Per row: tokens/s (generated tokens / client-side wall time of the calls), the ratio to K = 0 of the
+same drafter, workload, temperature and mode, acceptance, tokens and drafted tokens per round, and
+milliseconds per round in Propose calls (draft), Verify calls (verify) and the rest of the engine's
+wall time (other: accept/reject, laws, text, Redis; the non-model overhead). Summary rows: per
+drafter x mode x temperature x K, the mean ratio over the input-grounded workloads and the minimum
+over all workloads.
 """
 
 from __future__ import annotations
@@ -19,9 +40,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, redirect_stdout
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,179 +53,556 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import stack
+import workloads
+from workloads import INPUT_GROUNDED, WORKLOADS, Conversation
 
 from specdec.models.openmp_env import set_openmp_defaults
 
-# "long" (the default): questions whose answers run past the default 64 tokens, so the timed
-# tokens are the answer itself. "short": answers that end early; with ignore_eos the rest of
-# the 64 tokens is text after the end-of-turn token, which no user is served and no draft is
-# trained for (acceptance there is much lower).
-PROMPT_SETS = {
-    "long": [
-        "Explain how a refrigerator keeps food cold, step by step.",
-        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-        "Give me five tips for learning a new language, with a sentence on each.",
-        "What is the difference between a list and a tuple in Python? Explain with examples.",
-    ],
-    "short": [
-        "Explain in two sentences why the sky is blue.",
-        "Write a short poem about the sea.",
-        "Give me three tips for learning a new language.",
-        "What is the difference between a list and a tuple in Python?",
-    ],
+MODES = ("grpc", "in-process")
+MODEL_DRAFTER = "model"  # the distilled draft given by --draft
+DEFAULT_DRAFTERS = "model,ngram"
+# The issue's targets, shown next to the summary rows.
+GROUNDED_TARGETS = {0.0: 1.5, 1.0: 1.2}
+AUTO_FLOOR = 0.97
+# A busy process per core: --background-load. Each stops on its own once the bench is gone (its
+# parent changes), so a killed bench leaves no spinning process behind.
+BUSY_CODE = {
+    "spin": "import os\np = os.getppid()\nwhile os.getppid() == p:\n    sum(range(10000))\n",
+    "matmul": (
+        "import os\nimport numpy as np\np = os.getppid()\na = np.random.default_rng(0).random((256, 256))\n"
+        "while os.getppid() == p:\n    a = np.tanh(a @ a)\n"
+    ),
 }
 
 
-MODES = ("grpc", "in-process")
+# ------------------------------------------------------------------ running one conversation
 
 
-def _generate_fn(mode: str, address: str | None, target: str, draft: str, stack_exit):
-    """mode -> generate(prompt, **kwargs) -> GenerateResponse, on the running stack or in this process."""
-    if mode == "grpc":
-        from specdec.client import SpecdecClient
+@dataclass(frozen=True)
+class Call:
+    """One Generate of a conversation: its stats and the client-side wall time."""
 
-        client = stack_exit.enter_context(SpecdecClient(address, timeout_s=900))
-        client.wait_ready(60)
-        return client.generate
-    from specdec.inprocess import InProcessPipeline
-
-    return InProcessPipeline(target, draft).generate
+    stats: object  # specdec.v1 GenerationStats
+    seconds: float
 
 
-def _add(row: dict, stats, elapsed: float) -> None:
-    row["tokens"] += stats.generated_tokens
-    row["seconds"] += elapsed
-    row["drafted"] += stats.drafted_tokens
-    row["accepted"] += stats.accepted_tokens
-    row["rounds"] += stats.rounds
-    row["draft_s"] += stats.draft_time_s
-    row["verify_s"] += stats.verify_time_s
+class GrpcRunner:
+    """Conversations through a coordinator: later turns continue the first turn's session."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def run(self, conversation: Conversation, **kwargs) -> list[Call]:
+        calls, session = [], ""
+        for text in (conversation.prompt, *conversation.turns):
+            started = time.perf_counter()
+            response = self.client.generate(text, chat=True, session_id=session, **kwargs)
+            calls.append(Call(response.stats, time.perf_counter() - started))
+            session = response.session_id
+        self.client.delete_session(session)  # outside the timing: Redis stays small
+        return calls
 
 
-def bench(generators: dict, ks: list[int], prompts: list[str], max_new_tokens: int, temperature: float, seed: int,
-          repeats: int) -> dict:
-    """Every (mode, K) on every prompt and repeat, interleaved, so drift hits all alike."""
-    totals = {(m, k): {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "draft_s": 0.0,
-                       "verify_s": 0.0} for m in generators for k in ks}
-    for generate in generators.values():  # warm-up: first calls allocate
-        generate(prompts[0], chat=True, max_new_tokens=8, temperature=temperature, seed=seed,
-                 num_speculative_tokens=max(k for k in ks if k != "auto") if ks != ["auto"] else None)
-    for rep in range(repeats):
-        for i, prompt in enumerate(prompts):
-            for k in ks:
-                for mode, generate in generators.items():
-                    started = time.perf_counter()
-                    response = generate(
-                        prompt, chat=True, max_new_tokens=max_new_tokens, temperature=temperature,
-                        seed=seed + 1000 * rep + i, num_speculative_tokens=None if k == "auto" else k,
-                        ignore_eos=True,
-                    )
-                    elapsed = time.perf_counter() - started
-                    _add(totals[(mode, k)], response.stats, elapsed)
-                    print(f"  rep {rep} prompt {i} K={k} {mode:>10}: {response.stats.generated_tokens / elapsed:6.2f}"
-                          f" tok/s (acceptance {response.stats.acceptance_rate:.3f})", flush=True)
-    rows = [_row(mode, k, totals) for mode in generators for k in ks]
-    return {"temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": prompts, "repeats": repeats,
-            "rows": rows, "pipeline_overhead": _overhead(totals, ks) if len(generators) == 2 else []}
+class InProcessRunner:
+    """Conversations on an InProcessPipeline. It has no sessions, so a later turn sends the history
+    (earlier turns + answers) as token ids, rendered as the coordinator renders a continued session."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    def _turn_ids(self, text: str, continuing: bool) -> list[int]:
+        from coordinator.requests import chat_turn_text
+
+        tokenizer = self.pipeline.tokenizer
+        return tokenizer(chat_turn_text(tokenizer, text, continuing), add_special_tokens=False)["input_ids"]
+
+    def run(self, conversation: Conversation, **kwargs) -> list[Call]:
+        calls, history = [], []
+        for text in (conversation.prompt, *conversation.turns):
+            prompt_ids = history + self._turn_ids(text, continuing=bool(history))
+            started = time.perf_counter()
+            if history:
+                response = self.pipeline.generate(prompt_ids, **kwargs)
+            else:  # a first turn is text with chat=True, exactly as the client sends it
+                response = self.pipeline.generate(text, chat=True, **kwargs)
+            calls.append(Call(response.stats, time.perf_counter() - started))
+            history = prompt_ids + list(response.completions[0].token_ids)
+        return calls
 
 
-def _row(mode: str, k: int, totals: dict) -> dict:
-    t = totals[(mode, k)]
-    tps = t["tokens"] / t["seconds"]
-    base = totals.get((mode, 0))
-    per_round = (lambda seconds: 1e3 * seconds / t["rounds"]) if t["rounds"] else (lambda seconds: None)
+def draft_spec(drafter: str, model_draft: str) -> str:
+    """What SPECDEC_DRAFT_MODEL (or the in-process draft) gets for a --drafters entry."""
+    if "=" in drafter:
+        return drafter.split("=", 1)[1]
+    return model_draft if drafter == MODEL_DRAFTER else drafter
+
+
+def drafter_label(drafter: str) -> str:
+    return drafter.split("=", 1)[0]
+
+
+@contextmanager
+def open_runners(drafter: str, modes: list[str], args) -> Iterator[dict]:
+    """mode -> runner for one drafter: the stack started with it (unless --address), the pipeline loaded."""
+    spec = draft_spec(drafter, args.draft)
+    with ExitStack() as exits:
+        runners = {}
+        if "grpc" in modes:
+            runners["grpc"] = GrpcRunner(exits.enter_context(_grpc_client(spec, args)))
+        if "in-process" in modes:
+            from specdec.inprocess import InProcessPipeline
+
+            runners["in-process"] = InProcessRunner(InProcessPipeline(args.target, spec))
+        yield runners
+
+
+@contextmanager
+def _grpc_client(spec: str, args):
+    from specdec.client import SpecdecClient
+
+    address = args.address
+    if address is None:
+        os.environ["SPECDEC_TARGET_MODEL"] = args.target
+        os.environ["SPECDEC_DRAFT_MODEL"] = spec
+        os.environ["SPECDEC_DRAFT_TOKENIZER"] = args.target  # a model-free draft's vocabulary
+        log(f"starting the stack: target {args.target}, draft {spec}")
+        with redirect_stdout(sys.stderr):  # stdout carries only results (--json)
+            address = stack.up()["coordinator"]
+    try:
+        with SpecdecClient(address, timeout_s=900) as client:
+            client.wait_ready(60)
+            yield client
+    finally:
+        if args.address is None:
+            with redirect_stdout(sys.stderr):
+                stack.down()
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ measuring
+
+
+@dataclass
+class Tally:
+    """Sums over the calls of one (drafter, mode, workload, temperature, K)."""
+
+    conversations: int = 0
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # client-side wall time of the calls
+    engine_s: float = 0.0  # the engine's own wall time (GenerationStats.total_time_s)
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def add(self, calls: list[Call]) -> None:
+        self.conversations += 1
+        for call in calls:
+            s = call.stats
+            self.requests += 1
+            self.tokens += s.generated_tokens
+            self.seconds += call.seconds
+            self.engine_s += s.total_time_s
+            self.rounds += s.rounds
+            self.drafted += s.drafted_tokens
+            self.accepted += s.accepted_tokens
+            self.draft_s += s.draft_time_s
+            self.verify_s += s.verify_time_s
+
+    def merged(self, other: Tally) -> Tally:
+        return Tally(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    conversations: list[Conversation]
+    ks: list  # 0 first; ints and "auto"
+    temperatures: list[float]
+    max_new_tokens: int
+    seed: int = 0
+    repeats: int = 1
+    ignore_eos: bool = False
+    totals: dict = field(default_factory=dict)  # (drafter, mode, workload, temperature, k) -> Tally
+
+
+def rotated(ks: list, shift: int) -> list:
+    """ks in an order that changes per conversation, so no K always runs first (or right after K=0)."""
+    shift %= len(ks)
+    return ks[shift:] + ks[:shift]
+
+
+def _request_kwargs(plan: Plan, temperature: float, k, seed: int, max_new_tokens: int) -> dict:
     return {
-        "mode": mode,
-        "k": k,
-        "tokens_per_s": tps,
-        "speedup_vs_k0": tps / (base["tokens"] / base["seconds"]) if base else None,
-        "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
-        "tokens_per_round": t["tokens"] / t["rounds"] if t["rounds"] else None,
-        "tokens": t["tokens"],
-        "seconds": t["seconds"],
-        # Per round, as the engine saw it: Propose and Verify calls (model time, plus gRPC in the
-        # grpc mode), and everything else (accept/reject, Redis, tokenizer, client round trip).
-        "draft_ms_per_round": per_round(t["draft_s"]),
-        "verify_ms_per_round": per_round(t["verify_s"]),
-        "other_ms_per_round": per_round(t["seconds"] - t["draft_s"] - t["verify_s"]),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "num_speculative_tokens": None if k == "auto" else k,  # unset: the coordinator's auto K
+        "ignore_eos": plan.ignore_eos,
     }
 
 
-def _overhead(totals: dict, ks: list[int]) -> list[dict]:
-    """What the distributed pipeline costs over the same engine in one process, per K."""
+def warm_up(runners: dict, plan: Plan) -> None:
+    """First calls allocate caches and buffers: one short call per mode at K = 0 and the largest fixed K."""
+    largest = max(k for k in plan.ks if k != "auto")
+    ks = [0] + ([largest] if largest else []) + (["auto"] if "auto" in plan.ks and not largest else [])
+    for runner in runners.values():
+        for k in ks:
+            runner.run(plan.conversations[0], **_request_kwargs(plan, plan.temperatures[0], k, plan.seed, 8))
+
+
+def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
+    """Every conversation x temperature x K x mode for one drafter, interleaved; adds to plan.totals."""
+    warm_up(runners, plan)
+    for rep in range(plan.repeats):
+        for i, conv in enumerate(plan.conversations):
+            seed = plan.seed + 1000 * rep + i
+            for temperature in plan.temperatures:
+                for k in rotated(plan.ks, i + rep):
+                    kwargs = _request_kwargs(plan, temperature, k, seed, plan.max_new_tokens)
+                    for mode, runner in runners.items():
+                        calls = runner.run(conv, **kwargs)
+                        key = (drafter, mode, conv.workload, temperature, k)
+                        plan.totals.setdefault(key, Tally()).add(calls)
+                        tokens = sum(c.stats.generated_tokens for c in calls)
+                        seconds = sum(c.seconds for c in calls)
+                        drafted = sum(c.stats.drafted_tokens for c in calls)
+                        accepted = sum(c.stats.accepted_tokens for c in calls)
+                        acceptance = f"{accepted / drafted:.3f}" if drafted else "-"
+                        log(
+                            f"  {drafter} rep {rep} {conv.workload}/{conv.name} T={temperature:g} K={k} {mode}: "
+                            f"{tokens} tokens, {tokens / seconds:6.2f} tok/s, acceptance {acceptance}"
+                        )
+
+
+# ------------------------------------------------------------------ results
+
+
+def _per_round(seconds: float, rounds: int) -> float | None:
+    return 1e3 * seconds / rounds if rounds else None
+
+
+def row(key: tuple, tally: Tally, base: Tally | None, background_load: int) -> dict:
+    drafter, mode, workload, temperature, k = key
+    tps = tally.tokens / tally.seconds if tally.seconds else 0.0
+    base_tps = base.tokens / base.seconds if base and base.seconds else None
+    return {
+        "type": "row",
+        "drafter": drafter,
+        "mode": mode,
+        "workload": workload,
+        "temperature": temperature,
+        "k": k,
+        "background_load": background_load,
+        "conversations": tally.conversations,
+        "requests": tally.requests,
+        "tokens": tally.tokens,
+        "seconds": tally.seconds,
+        "tokens_per_s": tps,
+        "ratio_vs_k0": tps / base_tps if base_tps else None,
+        "acceptance_rate": tally.accepted / tally.drafted if tally.drafted else None,
+        "tokens_per_round": tally.tokens / tally.rounds if tally.rounds else None,
+        "drafted_per_round": tally.drafted / tally.rounds if tally.rounds else None,
+        "rounds": tally.rounds,
+        "draft_ms_per_round": _per_round(tally.draft_s, tally.rounds),
+        "verify_ms_per_round": _per_round(tally.verify_s, tally.rounds),
+        # The engine's wall time outside Propose and Verify calls: the non-model overhead per round.
+        "other_ms_per_round": _per_round(tally.engine_s - tally.draft_s - tally.verify_s, tally.rounds),
+        # Per request, outside the engine: validation, tokenisation, sessions, and gRPC in the grpc mode.
+        "call_ms_per_request": 1e3 * (tally.seconds - tally.engine_s) / tally.requests if tally.requests else None,
+    }
+
+
+def _ordered_keys(plan: Plan) -> list[tuple]:
+    """The totals' keys grouped for reading: drafter, mode, temperature, then workload and K as given."""
+    drafters = list(dict.fromkeys(key[0] for key in plan.totals))
+    modes = list(dict.fromkeys(key[1] for key in plan.totals))
+    names = list(dict.fromkeys(c.workload for c in plan.conversations))
+    return sorted(
+        plan.totals,
+        key=lambda key: (
+            drafters.index(key[0]),
+            modes.index(key[1]),
+            plan.temperatures.index(key[3]),
+            names.index(key[2]),
+            plan.ks.index(key[4]),
+        ),
+    )
+
+
+def rows(plan: Plan, background_load: int) -> list[dict]:
     out = []
-    for k in ks:
-        grpc_t, local_t = totals[("grpc", k)], totals[("in-process", k)]
-        out.append({
-            "k": k,
-            "in_process_vs_grpc": (local_t["tokens"] / local_t["seconds"]) / (grpc_t["tokens"] / grpc_t["seconds"]),
-            "ms_per_round": 1e3 * (grpc_t["seconds"] - local_t["seconds"]) / grpc_t["rounds"],
-        })
+    for key in _ordered_keys(plan):
+        drafter, mode, workload, temperature, _ = key
+        base = plan.totals.get((drafter, mode, workload, temperature, 0))
+        out.append(row(key, plan.totals[key], base, background_load))
     return out
 
 
+def summaries(result_rows: list[dict]) -> list[dict]:
+    """Per drafter x mode x temperature x K > 0: the input-grounded mean ratio and the minimum ratio."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in result_rows:
+        if r["k"] != 0 and r["ratio_vs_k0"] is not None:
+            groups.setdefault((r["drafter"], r["mode"], r["temperature"], r["k"]), []).append(r)
+    out = []
+    for (drafter, mode, temperature, k), group in groups.items():
+        grounded = [r["ratio_vs_k0"] for r in group if r["workload"] in INPUT_GROUNDED]
+        lowest = min(group, key=lambda r: r["ratio_vs_k0"])
+        out.append(
+            {
+                "type": "summary",
+                "drafter": drafter,
+                "mode": mode,
+                "temperature": temperature,
+                "k": k,
+                "background_load": group[0]["background_load"],
+                "workloads": [r["workload"] for r in group],
+                "grounded_mean_ratio": sum(grounded) / len(grounded) if grounded else None,
+                "grounded_target": GROUNDED_TARGETS.get(temperature),
+                "min_ratio": lowest["ratio_vs_k0"],
+                "min_ratio_workload": lowest["workload"],
+                "auto_floor": AUTO_FLOOR if k == "auto" else None,
+            }
+        )
+    return out
+
+
+def pipeline_costs(totals: dict) -> list[dict]:
+    """With both modes: what the distributed pipeline costs over the same engine in one process,
+    per drafter x temperature x K, summed over workloads (same conversations and seeds)."""
+    merged: dict[tuple, dict[str, Tally]] = {}
+    for (drafter, mode, _, temperature, k), tally in totals.items():
+        by_mode = merged.setdefault((drafter, temperature, k), {})
+        by_mode[mode] = by_mode[mode].merged(tally) if mode in by_mode else tally
+    out = []
+    for (drafter, temperature, k), by_mode in merged.items():
+        if set(by_mode) != set(MODES):
+            continue
+        grpc_t, local_t = by_mode["grpc"], by_mode["in-process"]
+        out.append(
+            {
+                "type": "pipeline",
+                "drafter": drafter,
+                "temperature": temperature,
+                "k": k,
+                "in_process_vs_grpc": (local_t.tokens / local_t.seconds) / (grpc_t.tokens / grpc_t.seconds),
+                "ms_per_round": 1e3 * (grpc_t.seconds - local_t.seconds) / grpc_t.rounds if grpc_t.rounds else None,
+            }
+        )
+    return out
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_rows(result_rows: list[dict]) -> list[str]:
+    lines = []
+    header = (
+        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'accept':>7} {'tok/rnd':>7} {'drft/rnd':>8}"
+        f" | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
+    )
+    group = None
+    for r in result_rows:
+        if (r["drafter"], r["mode"], r["temperature"]) != group:
+            group = (r["drafter"], r["mode"], r["temperature"])
+            lines += ["", f"drafter {r['drafter']}, {r['mode']}, T={r['temperature']:g}", header]
+        lines.append(
+            f"  {r['workload']:<16} {r['k']!s:<4} {r['tokens_per_s']:>7.2f} {_fmt(r['ratio_vs_k0'], '.2f', 'x'):>7} "
+            f"{_fmt(r['acceptance_rate'], '.3f'):>7} {_fmt(r['tokens_per_round'], '.2f'):>7} "
+            f"{_fmt(r['drafted_per_round'], '.2f'):>8} | {'':>9} {_fmt(r['draft_ms_per_round'], '.1f'):>6} "
+            f"{_fmt(r['verify_ms_per_round'], '.1f'):>7} {_fmt(r['other_ms_per_round'], '.1f'):>6}"
+        )
+    return lines
+
+
+def format_summaries(summary_rows: list[dict]) -> list[str]:
+    lines = ["", "summary: ratio to K=0 (input-grounded = " + ", ".join(INPUT_GROUNDED) + ")"]
+    lines.append(
+        f"  {'drafter':<10} {'mode':<10} {'T':>3} {'K':<4} {'grounded mean':>13} {'target':>6}   min (workload)"
+    )
+    for s in summary_rows:
+        floor = f"  (auto floor {s['auto_floor']:.2f}x)" if s["auto_floor"] else ""
+        lines.append(
+            f"  {s['drafter']:<10} {s['mode']:<10} {s['temperature']:>3g} {s['k']!s:<4} "
+            f"{_fmt(s['grounded_mean_ratio'], '.2f', 'x'):>13} {_fmt(s['grounded_target'], '.1f', 'x'):>6}   "
+            f"{s['min_ratio']:.2f}x ({s['min_ratio_workload']}){floor}"
+        )
+    return lines
+
+
 def format_table(result: dict) -> str:
-    lines = ["  mode         K   tokens/s   vs K=0   acceptance   tokens/round   ms/round: draft  verify  other"]
-    for r in result["rows"]:
-        speed = f"{r['speedup_vs_k0']:.2f}x" if r["speedup_vs_k0"] else "-"
-        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
-        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
-        split = (f"{r['draft_ms_per_round']:>16.1f} {r['verify_ms_per_round']:>7.1f} {r['other_ms_per_round']:>6.1f}"
-                 if r["draft_ms_per_round"] is not None else "")
-        lines.append(f"  {r['mode']:<10}   {r['k']!s:<4} {r['tokens_per_s']:>8.2f}   {speed:>6}   {acc:>10}   "
-                     f"{tpr:>12}{split}")
-    if result["pipeline_overhead"]:
-        lines.append("\n  distributed pipeline's own cost (grpc vs in-process, same prompts and seeds):")
-        for o in result["pipeline_overhead"]:
-            lines.append(f"  K={o['k']!s:<4} in-process is {o['in_process_vs_grpc']:.2f}x the grpc mode's tokens/s; "
-                         f"{o['ms_per_round']:+.1f} ms per round")
+    lines = format_rows(result["rows"]) + format_summaries(result["summaries"])
+    if result["pipeline"]:
+        lines += ["", "distributed pipeline's own cost (grpc vs in-process, same conversations and seeds):"]
+        for p in result["pipeline"]:
+            lines.append(
+                f"  {p['drafter']:<10} T={p['temperature']:g} K={p['k']!s:<4} in-process is "
+                f"{p['in_process_vs_grpc']:.2f}x the grpc mode's tokens/s; {_fmt(p['ms_per_round'], '+.1f')} ms per round"
+            )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", help="bench this coordinator instead of starting the stack")
-    parser.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
-    parser.add_argument("--draft", default=os.environ.get("SPECDEC_DRAFT_MODEL", str(stack.DEFAULT_DRAFT)))
-    parser.add_argument("--ks", default="0,1,2,3,4",
-                        help="comma-separated K values (0 = target only; auto = the coordinator's adaptive K)")
-    parser.add_argument("--modes", default=",".join(MODES), help="grpc (the running stack), in-process, or both")
-    parser.add_argument("--in-process", action="store_true", help="only the in-process mode (same as --modes in-process)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--prompt-set", default="long", choices=sorted(PROMPT_SETS))
-    parser.add_argument("--prompts", type=int, default=4, help="how many prompts of the set")
-    parser.add_argument("--json", help="also write the result to this file")
-    args = parser.parse_args(argv)
-    ks = [k.strip() if k.strip() == "auto" else int(k) for k in args.ks.split(",")]
-    modes = ["in-process"] if args.in_process else [m.strip() for m in args.modes.split(",")]
-    if unknown := set(modes) - set(MODES):
-        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    prompts = PROMPT_SETS[args.prompt_set][: args.prompts]
-    set_openmp_defaults()  # the in-process mode loads torch here, as the services do at start
-
-    address = args.address
-    started = address is None and "grpc" in modes
-    if started:
-        os.environ["SPECDEC_TARGET_MODEL"] = args.target
-        os.environ["SPECDEC_DRAFT_MODEL"] = args.draft
-        print(f"starting the stack: target {args.target}, draft {args.draft}")
-        address = stack.up()["coordinator"]
+@contextmanager
+def background_load(n: int, kind: str = "spin") -> Iterator[list[int]]:
+    """n busy processes (one core each) for the duration; yields their pids."""
+    # One thread each, so n processes load n cores, not n x BLAS threads.
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUSY_CODE[kind]], env=env, stdin=subprocess.DEVNULL) for _ in range(n)
+    ]
     try:
-        with ExitStack() as exits:
-            generators = {m: _generate_fn(m, address, args.target, args.draft, exits) for m in modes}
-            result = bench(generators, ks, prompts, args.max_new_tokens, args.temperature, args.seed, args.repeats)
+        yield [p.pid for p in procs]
     finally:
-        if started:
-            stack.down()
-    result.update({"address": address, "target": args.target, "draft": args.draft})
-    print(f"\n{len(prompts)} prompts x {args.repeats}, {args.max_new_tokens} tokens each, "
-          f"temperature {args.temperature:g}, chat template\n")
-    print(format_table(result))
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# ------------------------------------------------------------------ command line
+
+
+def parse_ks(text: str) -> list:
+    """'1,auto' -> [0, 1, 'auto']: K = 0 always runs (every ratio needs it), first."""
+    ks = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        if item != "auto" and not item.isdigit():
+            raise ValueError(f"K must be a non-negative integer or auto, got {item!r}")
+        k = item if item == "auto" else int(item)
+        if k not in ks:
+            ks.append(k)
+    return [0] + [k for k in ks if k != 0]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", help="bench this running coordinator (grpc mode; one drafter: the one it serves)")
+    p.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
+    p.add_argument(
+        "--draft",
+        default=os.environ.get("SPECDEC_DRAFT_MODEL", str(stack.DEFAULT_DRAFT)),
+        help="the draft of the `model` drafter",
+    )
+    p.add_argument(
+        "--drafters",
+        default=None,
+        help=f"comma list: model, ngram, suffix, hybrid, or LABEL=SPEC (default {DEFAULT_DRAFTERS}; "
+        "with --address: one label, default model)",
+    )
+    p.add_argument("--ks", default="0,1,2,4,auto", help="comma list of K (0 is always added; auto = adaptive K)")
+    p.add_argument("--temperatures", default="0,1", help="comma list of temperatures (0 = greedy)")
+    p.add_argument("--temperature", type=float, help="one temperature (same as --temperatures T)")
+    p.add_argument("--modes", default="in-process", help="in-process, grpc (the real stack), or both")
+    p.add_argument("--in-process", action="store_true", help="same as --modes in-process")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of built-in workloads")
+    p.add_argument("--per-workload", type=int, default=2, help="conversations per built-in workload")
+    p.add_argument(
+        "--max-chars",
+        type=int,
+        default=workloads.DEFAULT_MAX_CHARS,
+        help="longest passage of a built-in prompt, in characters (~4 per token)",
+    )
+    p.add_argument("--prompts", metavar="FILE", help="JSONL conversations instead of the built-in workloads")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per request (each turn of a conversation)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--background-load", type=int, default=0, metavar="N", help="N busy CPU processes during the run")
+    p.add_argument("--background-kind", default="spin", choices=sorted(BUSY_CODE))
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="one JSON object per row: on stdout (no table), or into FILE (table on stdout)",
+    )
+    return p.parse_args(argv)
+
+
+def build_plan(args: argparse.Namespace, parser_error) -> tuple[Plan, list[str], list[str]]:
+    """(plan, drafters, modes) from the arguments; parser_error for anything wrong."""
+    modes = ["in-process"] if args.in_process else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := sorted(set(modes) - set(MODES)):
+        parser_error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    drafters = [d.strip() for d in (args.drafters or (MODEL_DRAFTER if args.address else DEFAULT_DRAFTERS)).split(",")]
+    if args.address and len(drafters) != 1:
+        parser_error("--address benches the one drafter that stack serves: give one --drafters label")
+    try:
+        ks = parse_ks(args.ks)
+        temps = [args.temperature] if args.temperature is not None else [float(t) for t in args.temperatures.split(",")]
+        if args.prompts:
+            conversations = workloads.load_prompts(args.prompts)
+        else:
+            names = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+            conversations = workloads.build_workloads(names, args.per_workload, args.max_chars)
+    except ValueError as exc:  # PromptFileError included
+        parser_error(str(exc))
+    plan = Plan(conversations, ks, temps, args.max_new_tokens, args.seed, args.repeats, args.ignore_eos)
+    return plan, drafters, modes
+
+
+def run(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[str]) -> dict:
+    with background_load(args.background_load, args.background_kind) as busy:
+        if busy:
+            log(f"background load: {len(busy)} {args.background_kind} processes (pids {busy})")
+        for drafter in drafters:
+            with open_runners(drafter, modes, args) as runners:
+                bench_drafter(drafter_label(drafter), runners, plan)
+    result_rows = rows(plan, args.background_load)
+    return {"rows": result_rows, "summaries": summaries(result_rows), "pipeline": pipeline_costs(plan.totals)}
+
+
+def run_info(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[str]) -> dict:
+    return {
+        "type": "run",
+        "target": args.target,
+        "drafters": {drafter_label(d): draft_spec(d, args.draft) for d in drafters},
+        "modes": modes,
+        "ks": plan.ks,
+        "temperatures": plan.temperatures,
+        "max_new_tokens": plan.max_new_tokens,
+        "ignore_eos": plan.ignore_eos,
+        "repeats": plan.repeats,
+        "conversations": len(plan.conversations),
+        "prompts": args.prompts,
+        "background_load": args.background_load,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def error(message: str):
+        raise SystemExit(f"bench.py: error: {message}")
+
+    plan, drafters, modes = build_plan(args, error)
+    set_openmp_defaults()  # before torch loads (the in-process mode loads it here, as the services do)
+    result = run(args, plan, drafters, modes)
+    objects = [run_info(args, plan, drafters, modes), *result["rows"], *result["summaries"], *result["pipeline"]]
+    if args.json == "-":
+        for obj in objects:
+            print(json.dumps(obj), flush=True)
+        return 0
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text("".join(json.dumps(obj) + "\n" for obj in objects))
+    info = objects[0]
+    print(
+        f"\n{info['conversations']} conversations x {plan.repeats}, up to {plan.max_new_tokens} tokens per turn, "
+        f"chat template, target {args.target}, {info['cpus']} CPUs, background load {args.background_load}"
+    )
+    print(format_table(result))
     return 0
 
 

@@ -1,0 +1,138 @@
+"""scripts/bench.py end to end in process on a tiny random model pair with a chat template: every
+workload x drafter x temperature x K gets a row with the documented fields, ratios to K = 0 of the
+same run, summary rows; and its option parsing, user prompt files, and background load."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import bench
+from tiny_models import build_tiny_model
+from workloads import WORKLOADS
+
+ROW_FIELDS = {
+    "type", "drafter", "mode", "workload", "temperature", "k", "background_load", "conversations", "requests",
+    "tokens", "seconds", "tokens_per_s", "ratio_vs_k0", "acceptance_rate", "tokens_per_round",
+    "drafted_per_round", "rounds", "draft_ms_per_round", "verify_ms_per_round", "other_ms_per_round",
+    "call_ms_per_request",
+}  # fmt: skip
+SUMMARY_FIELDS = {
+    "type", "drafter", "mode", "temperature", "k", "background_load", "workloads", "grounded_mean_ratio",
+    "grounded_target", "min_ratio", "min_ratio_workload", "auto_floor",
+}  # fmt: skip
+# Prefix-stable, as the coordinator's continued-session rendering needs.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def _chat_model(directory: Path, seed: int) -> str:
+    """A tiny model whose tokenizer has a chat template and whose context holds a workload prompt."""
+    from transformers import AutoTokenizer
+
+    build_tiny_model(directory, seed=seed, logit_scale=15.0)
+    config = json.loads((directory / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (directory / "config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    return _chat_model(root / "target", 0), _chat_model(root / "draft", 1)
+
+
+def _run_json(capsys, args: list[str]) -> list[dict]:
+    assert bench.main([*args, "--json"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_bench_runs_every_workload_drafter_and_k_in_process(chat_pair, capsys):
+    target, draft = chat_pair
+    args = ["--target", target, "--draft", draft, "--drafters", "model,ngram", "--ks", "2,auto"]
+    args += ["--per-workload", "1", "--max-chars", "300", "--max-new-tokens", "5", "--temperatures", "0,1"]
+    objects = _run_json(capsys, args)
+    run, rows = objects[0], [o for o in objects if o["type"] == "row"]
+    assert run["type"] == "run" and run["ks"] == [0, 2, "auto"] and run["modes"] == ["in-process"]
+    keys = {(r["drafter"], r["workload"], r["temperature"], r["k"]) for r in rows}
+    assert keys == {
+        (d, w, t, k) for d in ("model", "ngram") for w in WORKLOADS for t in (0.0, 1.0) for k in (0, 2, "auto")
+    }
+    for r in rows:
+        assert set(r) == ROW_FIELDS and r["mode"] == "in-process"
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["rounds"] > 0
+        assert r["verify_ms_per_round"] > 0 and r["other_ms_per_round"] is not None
+        assert r["requests"] == (3 if r["workload"] == "multi-turn-chat" else 1)
+        if r["k"] == 0:
+            assert r["ratio_vs_k0"] == 1.0 and r["acceptance_rate"] is None and r["draft_ms_per_round"] == 0
+    # Greedy speculation emits the target's own tokens: same count at every K.
+    greedy = {(r["drafter"], r["workload"], r["k"]): r["tokens"] for r in rows if r["temperature"] == 0}
+    assert all(greedy[(d, w, k)] == greedy[(d, w, 0)] for d, w, k in greedy)
+    summaries = [o for o in objects if o["type"] == "summary"]
+    assert {(s["drafter"], s["temperature"], s["k"]) for s in summaries} == {
+        (d, t, k) for d in ("model", "ngram") for t in (0.0, 1.0) for k in (2, "auto")
+    }
+    for s in summaries:
+        assert set(s) == SUMMARY_FIELDS and s["grounded_mean_ratio"] > 0 and s["min_ratio"] > 0
+        assert s["grounded_target"] == {0.0: 1.5, 1.0: 1.2}[s["temperature"]]
+
+
+def test_bench_reads_a_prompt_file_and_prints_a_table(chat_pair, tmp_path, capsys):
+    target, draft = chat_pair
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"workload": "mine", "prompt": "a b c a b c", "turns": ["a b"]}) + "\n")
+    args = ["--target", target, "--draft", draft, "--drafters", "ngram", "--ks", "1", "--temperature", "1"]
+    assert bench.main([*args, "--prompts", str(prompts), "--max-new-tokens", "4", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "drafter ngram, in-process, T=1" in out and "mine" in out and "summary" in out
+
+
+def test_bad_options_are_clear_errors(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"workload": "w"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: missing 'prompt'"):
+        bench.main(["--prompts", str(tmp_path / "bad.jsonl")])
+    with pytest.raises(SystemExit, match="K must be"):
+        bench.main(["--ks", "1,two"])
+    with pytest.raises(SystemExit, match="unknown modes"):
+        bench.main(["--modes", "cloud"])
+    with pytest.raises(SystemExit, match="one drafter"):
+        bench.main(["--address", "localhost:1", "--modes", "grpc", "--drafters", "model,ngram"])
+
+
+def test_ks_always_start_with_zero():
+    assert bench.parse_ks("3,auto,3") == [0, 3, "auto"]
+    assert bench.parse_ks("auto,0") == [0, "auto"]
+    assert bench.rotated([0, 1, 2], 4) == [1, 2, 0]
+
+
+def test_drafter_names_map_to_draft_specs():
+    assert bench.draft_spec("model", "drafts/x") == "drafts/x"
+    assert bench.draft_spec("suffix", "drafts/x") == "suffix"
+    assert bench.draft_spec("tokens=drafts/y", "drafts/x") == "drafts/y"
+    assert bench.drafter_label("tokens=drafts/y") == "tokens"
+
+
+def test_background_load_runs_busy_processes_and_stops_them():
+    with bench.background_load(2) as pids:
+        assert len(pids) == 2
+        time.sleep(0.2)
+        for pid in pids:
+            os.kill(pid, 0)  # alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
