@@ -93,6 +93,7 @@ class Generator:
             seed=request.seed if request.HasField("seed") else secrets.randbits(63),
             num_speculative_tokens=params.num_speculative_tokens,
             auto_k=params.auto_k,
+            verify_costs=tuple(pools.target.forward_cost_ms),
             stop=tuple(request.stop),
             eos_token_ids=frozenset() if request.ignore_eos else frozenset(pools.target.eos_token_ids),
             num_samples=params.num_samples,

@@ -55,6 +55,9 @@ class GenerationSpec:
     draft_needs_hidden: bool = False
     # K chosen per round from this request's measured acceptance and costs (specdec.core.kpolicy).
     auto_k: bool = False
+    # [r - 1]: the target's cost of a forward over r rows (its ModelInfo.forward_cost_ms): how
+    # auto K estimates Verify lengths it has not timed yet.
+    verify_costs: tuple[float, ...] = ()
 
     @property
     def model_cache_key(self) -> str:
@@ -179,7 +182,8 @@ class SpeculativeEngine:
         if spec.draft_needs_hidden and spec.num_speculative_tokens > 0:
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
         # One policy for the samples of this run: it reads only rounds already played.
-        policy = AdaptiveK(spec.num_speculative_tokens) if spec.auto_k else FixedK(spec.num_speculative_tokens)
+        k_max = spec.num_speculative_tokens
+        policy = AdaptiveK(k_max, verify_curve=spec.verify_costs) if spec.auto_k else FixedK(k_max)
         round_index = 0
         while running := [s for s in samples if s.running]:
             k = policy.choose()

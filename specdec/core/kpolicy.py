@@ -7,8 +7,10 @@
 
 a_i is the acceptance of draft position i given 1..i-1 were accepted (accepted / offered at i,
 under a weak prior that leans on position i - 1), c_draft the measured draft cost per drafted
-token, verify(r) the measured cost of a Verify of r rows (unmeasured: the 1-row cost times a
-default factor, never below a measured shorter length). It reads only past rounds' outcomes and
+token, verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated
+from the nearest measured one, scaled by the target's forward-cost curve (what the target service
+measured at start, `ModelInfo.forward_cost_ms`); without a curve, the 1-row cost times a default
+factor, never below a measured shorter length. It reads only past rounds' outcomes and
 timings, so the output law stays exactly the target's: every round is lossless for any K fixed
 before it starts. No randomness: the same history gives the same choices (timings differ from
 run to run, so an auto-K request's tokens may too; its law does not).
@@ -62,6 +64,7 @@ class AdaptiveK:
         default_verify_factor: float = 1.1,
         default_draft_ratio: float = 0.1,
         overhead_s: float = 0.0,
+        verify_curve: Sequence[float] = (),
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -73,6 +76,8 @@ class AdaptiveK:
         self.default_verify_factor = default_verify_factor
         self.default_draft_ratio = default_draft_ratio
         self.overhead_s = overhead_s
+        # [r - 1]: the target's cost of a forward over r rows, any unit (only ratios are read).
+        self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
         self.draft_s = 0.0
@@ -93,13 +98,19 @@ class AdaptiveK:
         return rates
 
     def verify_cost(self, rows: int) -> float:
-        """Seconds of a Verify of `rows` rows: measured, else estimated from shorter ones."""
-        if self.verify_count.get(rows):
-            return self.verify_sum[rows] / self.verify_count[rows]
-        one = self.verify_sum[1] / self.verify_count[1] if self.verify_count.get(1) else 1.0
+        """Seconds of a Verify of `rows` rows: measured, else estimated from measured ones."""
+        measured = {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
+        if rows in measured:
+            return measured[rows]
+        if measured and len(self.verify_curve) >= max(rows, *measured):
+            # Scale the nearest measured length by the curve: what this call's timing adds
+            # (transport, a busier machine) scales with it.
+            nearest = min(measured, key=lambda r: (abs(r - rows), -r))
+            return measured[nearest] * self.verify_curve[rows - 1] / self.verify_curve[nearest - 1]
+        one = measured.get(1, 1.0)
         if rows == 1:
             return one
-        shorter = [self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if r < rows]
+        shorter = [cost for r, cost in measured.items() if r < rows]
         return max([one * self.default_verify_factor, *shorter])
 
     def draft_cost(self) -> float:

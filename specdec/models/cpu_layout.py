@@ -1,44 +1,90 @@
-"""Linear layers that keep their weight in two layouts, for float32 matmuls on CPU.
+"""Linear layers that compute x @ W^T with the fastest float32 CPU kernel for the row count.
 
-Measured with this project's torch (MKL sgemm, AVX-512, 1-2 threads): x @ W^T with
-nn.Linear's [out, in] weight costs about 2x more from 4 rows of x on than at 1-3 rows,
-while x @ W_t with a contiguous [in, out] copy stays nearly flat up to 16 rows (and is a
-little slower at 2-3 rows). SmolLM2's target forward over 4 tokens: 100 ms -> 71 ms; 8
-tokens: 110 -> 72 ms. Verifying K >= 3 draft tokens, batched samples and short prefills
-all run 4+ rows, so the target pays for K = 3 about what it pays for K = 2.
+Three ways to compute nn.Linear's product, all exact up to float32 rounding, with very different
+MKL costs for the few rows a decode step or a Verify runs (SmolLM2-135M on this 2-vCPU EPYC,
+cached forward: milliseconds per forward by rows):
 
-The price is a second copy of every linear weight (2x weight memory), so it is a setting
-(`dual_layout_min_rows`, 0 = off) and only applies to float32 models on CPU.
+    layout        what runs                         1 row   2 rows  3 rows  4 rows
+    linear        F.linear(x, W)      (W: [out, in])  ~50     ~80    ~100     ~85
+    transposed    x @ W_t   (a contiguous [in, out] copy)  ~43     ~65     ~80     ~90
+    weight_major  (W @ x^T)^T          (W as stored)  ~51     ~60     ~68     ~61
+
+A forward streams every weight from memory once per call, so a kernel that reads W once for
+all rows costs about what one row costs; MKL's choice of kernel (and whether it repacks W) decides
+whether it does. Which kernel wins depends on the CPU, the thread count and the shapes, so the
+services measure it at start (`specdec.models.calibration`) and keep the winner per row count in a
+`LayoutPlan`. Only `transposed` costs memory (a second copy of each weight); it is dropped when no
+row count chose it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdec.models.layouts import LAYOUTS, LINEAR, TRANSPOSED, WEIGHT_MAJOR
 
-class DualLayoutLinear(torch.nn.Module):
-    """nn.Linear's result, computed with the faster of two weight layouts for the row count."""
 
-    def __init__(self, linear: torch.nn.Linear, min_rows: int):
+class LayoutPlan:
+    """The layout per row count, shared by every swapped linear of a model (one object to tune).
+
+    Row counts past the largest one measured use that one's layout.
+    """
+
+    def __init__(self, default: str = LINEAR, by_rows: dict[int, str] | None = None):
+        _check_layout(default)
+        self.default = default
+        self.by_rows: dict[int, str] = {}
+        for rows, layout in (by_rows or {}).items():
+            self.set(rows, layout)
+
+    def set(self, rows: int, layout: str) -> None:
+        _check_layout(layout)
+        self.by_rows[rows] = layout
+
+    def layout(self, rows: int) -> str:
+        chosen = self.by_rows.get(rows)
+        if chosen is not None:
+            return chosen
+        if self.by_rows and rows > max(self.by_rows):
+            return self.by_rows[max(self.by_rows)]
+        return self.default
+
+    def uses(self, layout: str) -> bool:
+        return layout == self.default or layout in self.by_rows.values()
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown linear layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+class PlannedLinear(torch.nn.Module):
+    """nn.Linear's result, computed in the layout its plan gives for the row count."""
+
+    def __init__(self, linear: torch.nn.Linear, plan: LayoutPlan, keep_transposed: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.min_rows = min_rows
+        self.plan = plan
         self.weight = linear.weight  # shared (a tied embedding keeps using it)
         self.bias = linear.bias
-        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
+        weight_t = linear.weight.detach().t().contiguous() if keep_transposed else None
+        self.register_buffer("weight_t", weight_t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if rows < self.min_rows:
+        layout = self.plan.layout(rows)
+        if layout == TRANSPOSED and self.weight_t is not None:
+            y = torch.matmul(x, self.weight_t)
+        elif layout == WEIGHT_MAJOR:
+            y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t()
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        y = torch.matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias
 
 
-def use_dual_layout(model: torch.nn.Module, min_rows: int) -> int:
-    """Swap every plain float32 CPU nn.Linear of `model` for a DualLayoutLinear; returns how many."""
-    if min_rows <= 0:
-        return 0
+def use_layout_plan(model: torch.nn.Module, plan: LayoutPlan, keep_transposed: bool = True) -> int:
+    """Swap every plain float32 CPU nn.Linear of `model` for a PlannedLinear; returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -47,6 +93,16 @@ def use_dual_layout(model: torch.nn.Module, min_rows: int) -> int:
                 and child.weight.dtype == torch.float32
                 and child.weight.device.type == "cpu"
             ):
-                setattr(parent, name, DualLayoutLinear(child, min_rows))
+                setattr(parent, name, PlannedLinear(child, plan, keep_transposed))
                 swapped += 1
     return swapped
+
+
+def drop_transposed(model: torch.nn.Module) -> int:
+    """Free the transposed weight copies (once the plan no longer uses them); returns how many."""
+    dropped = 0
+    for module in model.modules():
+        if isinstance(module, PlannedLinear) and module.weight_t is not None:
+            module.weight_t = None
+            dropped += 1
+    return dropped

@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +185,12 @@ class ModelRunner:
         # which throttle each other's spin-waits, so every parallel region becomes a futex wake-up
         # (a SmolLM2 decode on 2 cores: 55 ms from one thread, ~110 ms once several threads have run ops).
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # Picks torch's thread count per forward from measured speed (specdec.models.threads);
+        # None: whatever torch is set to.
+        self.governor = None
+
+    def _threads(self, rows: int) -> AbstractContextManager:
+        return self.governor.forward(rows) if self.governor is not None else nullcontext()
 
     def share_model_thread(self, other: ModelRunner) -> None:
         """Run this model's ops on `other`'s thread: two models in one process (draft and target
@@ -227,7 +234,8 @@ class ModelRunner:
             entry, reuse = self._take_entry(session_id, token_ids, num_last, hidden_from)
             fed = input_hidden[reuse:] if input_hidden is not None else None
             # On an exception the entry (possibly half-updated) is simply not put back.
-            out = self._forward(entry, token_ids[reuse:], fed, num_last, want_hidden)
+            with self._threads(len(token_ids) - reuse):
+                out = self._forward(entry, token_ids[reuse:], fed, num_last, want_hidden)
             logits = out.logits[0, -num_last:].float().cpu()
             hidden = None
             if want_hidden:
@@ -290,7 +298,7 @@ class ModelRunner:
             inputs = {"inputs_embeds": fused_inputs(self.model, input_ids.to(self.device), rows.to(self.device))}
         else:
             inputs = {"input_ids": input_ids.to(self.device)}
-        with self._lock:
+        with self._lock, self._threads(len(sequences) * width):
             out = self.model(
                 **inputs,
                 attention_mask=attention_mask.to(self.device),

@@ -12,6 +12,7 @@ from typing import ClassVar
 import grpc
 
 from specdec.core.errors import InvalidArgument, Unavailable
+from specdec.models.layouts import AUTO, LAYOUTS
 from specdec.rpc.metrics import Registry
 from specdec.rpc.server import GrpcServer, build_grpc_server
 from specdec.settings import setting
@@ -45,12 +46,17 @@ class ModelServerSettings:
     max_connection_age_s: float = setting(
         300.0, "MAX_CONNECTION_AGE_S", "close client connections after this age so new pods get traffic (0 = never)"
     )
-    torch_threads: int = setting(0, "TORCH_THREADS", "torch intra-op threads (0 = torch default)")
-    dual_layout_min_rows: int = setting(
-        4,
-        "DUAL_LAYOUT_MIN_ROWS",
-        "float32 on CPU: keep a transposed copy of each linear weight and use it for "
-        "matmuls of at least this many rows (~1.4x faster K >= 3 verifies; 2x weight memory; 0 = off)",
+    torch_threads: int = setting(
+        0, "TORCH_THREADS", "torch intra-op threads (0 = measured per forward, up to the CPUs this process may use)"
+    )
+    linear_layout: str = setting(
+        "auto",
+        "LINEAR_LAYOUT",
+        "float32 on CPU: matmul kernel of the linear layers, auto (the fastest per row count, measured at "
+        "start) | linear | transposed (2x weight memory) | weight_major",
+    )
+    calibrate_max_rows: int = setting(
+        9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
     )
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
@@ -58,8 +64,10 @@ class ModelServerSettings:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        if self.dual_layout_min_rows < 0:
-            raise ValueError("dual_layout_min_rows must be >= 0 (0 = off)")
+        if self.linear_layout not in (AUTO, *LAYOUTS):
+            raise ValueError(f"linear_layout must be auto or one of {', '.join(LAYOUTS)}, got {self.linear_layout!r}")
+        if not 0 <= self.calibrate_max_rows <= 64:
+            raise ValueError(f"calibrate_max_rows must be in [0, 64], got {self.calibrate_max_rows}")
         if self.max_draft_tokens < 1 or self.max_batch_sequences < 1 or self.max_workers < 1:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
@@ -109,21 +117,29 @@ class LoadedModel:
 
 
 def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
-    """Load the model, its tokenizer (for the fingerprint) and wrap them in a cached runner."""
+    """Load the model, its tokenizer (for the fingerprint) and wrap them in a cached runner whose
+    matmul layouts and forward costs were measured (`specdec.models.calibration`)."""
     import torch
 
-    from specdec.models.cpu_layout import use_dual_layout
+    from specdec.models.calibration import plan_layouts
     from specdec.models.loading import load_causal_lm
+    from specdec.models.openmp_env import available_cpus
     from specdec.models.runner import ModelRunner, SessionKVCache
     from specdec.models.sources import load_tokenizer
+    from specdec.models.threads import ThreadGovernor, thread_candidates
 
-    if settings.torch_threads > 0:
-        torch.set_num_threads(settings.torch_threads)
     model, source = load_causal_lm(settings.model, settings.dtype, settings.device)
-    use_dual_layout(model, settings.dual_layout_min_rows)
     tokenizer = load_tokenizer(settings.model)
     runner = ModelRunner(model, SessionKVCache(settings.cache_max_entries, settings.cache_max_tokens))
+    threads = settings.torch_threads or available_cpus()
+    runner.on_model_thread(torch.set_num_threads, threads)  # OpenMP reads it per calling thread
+    costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)
+    if not settings.torch_threads and runner.device.type == "cpu":
+        runner.governor = ThreadGovernor(thread_candidates(threads), torch.set_num_threads, torch.get_num_threads)
     info = model_info_proto(runner, source, tokenizer, role, settings.dtype, settings.device)
+    if costs is not None:
+        info.forward_cost_ms.extend(costs.milliseconds())
+        log.info("%s forward ms by rows: %s; layouts: %s", role, costs.milliseconds(), ",".join(costs.layouts))
     return LoadedModel(runner, info)
 
 

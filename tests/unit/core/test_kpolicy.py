@@ -109,3 +109,30 @@ def test_the_same_history_gives_the_same_choices():
         return chosen
 
     assert run() == run()
+
+
+def test_the_target_curve_shapes_lengths_not_yet_timed():
+    curve = (60.0, 66.0, 72.0, 90.0)  # ms by rows, as ModelInfo.forward_cost_ms reports it
+    policy = AdaptiveK(3, verify_curve=curve)
+    policy.observe(RoundOutcome(2, 0.0, 9.0, 3, [(2, 2)]))  # round 0: not kept
+    policy.observe(RoundOutcome(0, 0.0, 0.12, 1, []))  # a 1-row Verify: twice the curve's 60 ms
+    assert policy.verify_cost(1) == pytest.approx(0.12)
+    assert policy.verify_cost(3) == pytest.approx(0.12 * 72 / 60)
+    policy.observe(RoundOutcome(3, 0.0, 0.2, 4, [(3, 0)]))
+    assert policy.verify_cost(4) == pytest.approx(0.2)
+    assert policy.verify_cost(3) == pytest.approx(0.2 * 72 / 90)  # the nearest measured length
+    assert policy.verify_cost(2) == pytest.approx(0.12 * 66 / 60)  # ties go to the shorter one
+
+
+def test_a_steep_curve_keeps_k_at_zero_and_a_flat_one_drafts():
+    steep, flat = (60.0, 120.0, 180.0, 240.0), (60.0, 62.0, 64.0, 66.0)
+    chosen = {}
+    for name, curve in (("steep", steep), ("flat", flat)):
+        policy = AdaptiveK(3, verify_curve=curve)
+        chosen[name] = _play(policy, 6, 0.5, lambda rows, c=curve: c[rows - 1] / 1e3, 0.001)
+    assert chosen["steep"][2:] == [0, 0, 0, 0]
+    assert all(k > 0 for k in chosen["flat"][2:])
+
+
+def test_a_curve_with_a_non_positive_entry_is_ignored():
+    assert AdaptiveK(2, verify_curve=(0.0, 1.0)).verify_curve == ()
