@@ -45,7 +45,8 @@ up: install
 down:
 	$(PY) scripts/stack.py down
 
-# make bench BENCH_ARGS=--in-process (models in one process only); see scripts/bench.py --help.
+# make bench: workloads x drafters x K x T in process; BENCH_ARGS="--modes grpc,in-process" adds the real
+# stack, --json one object per row; see scripts/bench.py --help.
 bench: install
 	$(PY) scripts/bench.py $(BENCH_ARGS)
 
