@@ -50,6 +50,95 @@ def test_encode_probs_converts_float64_and_non_contiguous_input_to_float32():
     assert np.array_equal(decoded, probs.astype(np.float32))
 
 
+def _bits(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+
+
+def _top_k_law(rows: int, vocab: int, k: int) -> np.ndarray:
+    """[rows, vocab] float32 with k stored entries per row, as warping with top-k leaves a law."""
+    probs = np.zeros((rows, vocab), np.float32)
+    for row in range(rows):
+        kept = RNG.choice(vocab, k, replace=False)
+        probs[row, kept] = _probs(1, k)[0]
+    return probs
+
+
+def test_a_greedy_law_travels_as_its_one_stored_entry_per_row():
+    probs = np.zeros((5, 1000), np.float32)
+    probs[np.arange(5), [7, 0, 999, 7, 500]] = 1.0
+    tensor = _over_the_wire(wire.encode_probs(probs))
+    assert tensor.HasField("sparse") and len(tensor.data) == 5 * 4 and len(tensor.sparse.indices) == 5 * 4
+    assert list(tensor.sparse.row_offsets) == [0, 1, 2, 3, 4, 5]
+    decoded = wire.decode_probs(tensor)
+    assert decoded.dtype == np.float32 and not decoded.flags.writeable
+    assert np.array_equal(_bits(decoded), _bits(probs))
+
+
+def test_a_sparse_law_decodes_bit_for_bit_including_odd_values():
+    probs = _top_k_law(4, 512, 50)
+    probs[0, 3] = np.float32(1.0) / np.float32(3.0)  # a full mantissa
+    probs[1, 4] = np.float32(1e-45)  # the smallest subnormal
+    probs[2, 5] = np.float32(-0.0)  # +0.0 is what is left out; -0.0 has a bit set and travels
+    probs[2, 6] = np.float32("nan")
+    probs[3, :] = 0.0  # a row with nothing stored
+    tensor = _over_the_wire(wire.encode_probs(probs))
+    assert tensor.HasField("sparse") and list(tensor.sparse.row_offsets)[-1] == np.count_nonzero(_bits(probs))
+    assert np.array_equal(_bits(wire.decode_probs(tensor)), _bits(probs))
+
+
+@pytest.mark.parametrize(
+    ("probs", "sparse"),
+    [
+        (_probs(3, 64), False),  # no cut: every entry stored
+        (_top_k_law(3, 64, 31), True),  # just under half: 8 bytes each still beats 4 x 64
+        (_top_k_law(3, 64, 33), False),
+        (np.zeros((0, 64), np.float32), False),
+        (_probs(1, 1), False),
+    ],
+)
+def test_the_encoder_picks_the_smaller_form(probs, sparse):
+    tensor = wire.encode_probs(probs)
+    assert tensor.HasField("sparse") == sparse
+    assert tensor.ByteSize() <= wire.encode_probs(probs, allow_sparse=False).ByteSize()
+    assert np.array_equal(_bits(wire.decode_probs(_over_the_wire(tensor))), _bits(probs))
+
+
+def test_allow_sparse_false_always_sends_dense_bytes():
+    probs = _top_k_law(2, 100, 3)
+    tensor = wire.encode_probs(probs, allow_sparse=False)
+    assert not tensor.HasField("sparse") and len(tensor.data) == probs.nbytes
+
+
+def _sparse_tensor(shape, offsets, indices, values) -> common_pb2.ProbTensor:
+    return common_pb2.ProbTensor(
+        data=np.asarray(values, np.float32).tobytes(),
+        shape=shape,
+        dtype=common_pb2.DTYPE_FLOAT32,
+        sparse=common_pb2.SparseRows(indices=np.asarray(indices, "<i4").tobytes(), row_offsets=offsets),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensor", "words"),
+    [
+        (_sparse_tensor([2, 4, 1], [0, 1, 2], [0, 1], [0.5, 0.5]), "shape [rows, columns]"),
+        (_sparse_tensor([2, 4], [0, 1], [0], [1.0]), "row_offsets must be 3"),
+        (_sparse_tensor([2, 4], [1, 1, 2], [0, 1], [0.5, 0.5]), "row_offsets must be 3"),
+        (_sparse_tensor([2, 4], [0, 2, 1], [0, 1], [0.5, 0.5]), "row_offsets must be 3"),
+        (_sparse_tensor([2, 4], [0, 1, 2], [0, 1], [0.5]), "index and 4 value bytes"),
+        (_sparse_tensor([2, 4], [0, 1, 2], [0], [0.5, 0.5]), "4 index and"),
+        (_sparse_tensor([2, 4], [0, 1, 2], [0, 4], [0.5, 0.5]), "lie in [0, 4)"),
+        (_sparse_tensor([2, 4], [0, 1, 2], [-1, 1], [0.5, 0.5]), "lie in [0, 4)"),
+        (_sparse_tensor([1, 4], [0, 2], [2, 1], [0.5, 0.5]), "ascend within each row"),
+        (_sparse_tensor([1, 4], [0, 2], [1, 1], [0.5, 0.5]), "ascend within each row"),
+    ],
+)
+def test_malformed_sparse_tensors_are_value_errors(tensor, words):
+    with pytest.raises(ValueError) as info:
+        wire.decode_probs(_over_the_wire(tensor))
+    assert words in str(info.value)
+
+
 def test_hidden_states_travel_as_float16():
     hidden = RNG.standard_normal((5, 8)).astype(np.float32)
     tensor = _over_the_wire(wire.encode_hidden_states(hidden))
@@ -305,3 +394,16 @@ def test_stats_to_proto_with_nothing_drafted_or_run():
 def test_coordinator_time_is_never_negative():
     stats = Stats(draft_time_s=5.0, verify_time_s=5.0, started=time.perf_counter() - 1.0)
     assert wire.stats_to_proto(stats, generated_tokens=1).coordinator_time_s == 0.0
+
+
+def test_propose_and_verify_responses_carry_warped_laws_sparsely_and_exactly():
+    draft, target = _top_k_law(4, 2048, 50), _top_k_law(5, 2048, 50)
+    proposals = wire.proposals_from_proto(
+        _over_the_wire(wire.propose_response([DraftProposal([1, 2, 3, 4], draft, cached_tokens=3)]))
+    )
+    response = _over_the_wire(wire.verify_response([VerifyResult(target, 3)]))
+    assert response.verifications[0].target_probs.HasField("sparse")
+    assert response.ByteSize() < target.nbytes / 4
+    (result,) = wire.verify_results_from_proto(response)
+    assert np.array_equal(_bits(proposals[0].draft_probs), _bits(draft))
+    assert np.array_equal(_bits(result.target_probs), _bits(target))
