@@ -62,8 +62,9 @@ MODES = ("grpc", "in-process")
 MODEL_DRAFTER = "model"  # the distilled draft given by --draft
 DEFAULT_DRAFTERS = "model,ngram"
 # The issue's targets, shown next to the summary rows.
-GROUNDED_TARGETS = {0.0: 1.5, 1.0: 1.2}
-AUTO_FLOOR = 0.97
+GROUNDED_TARGETS = {0.0: 1.5, 1.0: 1.2}  # input-grounded mean, best model-free drafter
+AUTO_FLOOR = 0.97  # auto K, every workload and drafter
+MODEL_FREE = ("ngram", "suffix")
 # A busy process per core: --background-load. Each stops on its own once the bench is gone (its
 # parent changes), so a killed bench leaves no spinning process behind.
 BUSY_CODE = {
@@ -372,6 +373,43 @@ def summaries(result_rows: list[dict]) -> list[dict]:
     return out
 
 
+def target_checks(summary_rows: list[dict]) -> list[dict]:
+    """The issue's targets per mode and temperature: the best model-free drafter's input-grounded
+    mean (any K), and the lowest ratio auto K reached on any workload with any drafter."""
+    out = []
+    for mode, temperature in dict.fromkeys((s["mode"], s["temperature"]) for s in summary_rows):
+        group = [s for s in summary_rows if (s["mode"], s["temperature"]) == (mode, temperature)]
+        free = [s for s in group if s["drafter"] in MODEL_FREE and s["grounded_mean_ratio"] is not None]
+        if free and temperature in GROUNDED_TARGETS:
+            best = max(free, key=lambda s: s["grounded_mean_ratio"])
+            value, goal = best["grounded_mean_ratio"], GROUNDED_TARGETS[temperature]
+            out.append(_check("grounded_mean", mode, temperature, goal, value, best["drafter"], best["k"], None))
+        if auto := [s for s in group if s["k"] == "auto"]:
+            worst = min(auto, key=lambda s: s["min_ratio"])
+            workload = worst["min_ratio_workload"]
+            out.append(
+                _check(
+                    "auto_floor", mode, temperature, AUTO_FLOOR, worst["min_ratio"], worst["drafter"], "auto", workload
+                )
+            )
+    return out
+
+
+def _check(check: str, mode: str, temperature: float, goal: float, value: float, drafter: str, k, workload) -> dict:
+    return {
+        "type": "target",
+        "check": check,
+        "mode": mode,
+        "temperature": temperature,
+        "target": goal,
+        "value": value,
+        "met": value >= goal,
+        "drafter": drafter,
+        "k": k,
+        "workload": workload,
+    }
+
+
 def pipeline_costs(totals: dict) -> list[dict]:
     """With both modes: what the distributed pipeline costs over the same engine in one process,
     per drafter x temperature x K, summed over workloads (same conversations and seeds)."""
@@ -438,6 +476,15 @@ def format_summaries(summary_rows: list[dict]) -> list[str]:
 
 def format_table(result: dict) -> str:
     lines = format_rows(result["rows"]) + format_summaries(result["summaries"])
+    if result["targets"]:
+        lines += ["", "targets (issue 11):"]
+    for t in result["targets"]:
+        what = "best model-free input-grounded mean" if t["check"] == "grounded_mean" else "auto K's lowest ratio"
+        where = f"{t['drafter']} K={t['k']}" + (f", {t['workload']}" if t["workload"] else "")
+        lines.append(
+            f"  {t['mode']:<10} T={t['temperature']:g} {what}: {t['value']:.2f}x ({where}), "
+            f"target {t['target']:.2f}x: {'met' if t['met'] else 'NOT met'}"
+        )
     if result["pipeline"]:
         lines += ["", "distributed pipeline's own cost (grpc vs in-process, same conversations and seeds):"]
         for p in result["pipeline"]:
@@ -559,7 +606,13 @@ def run(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[s
             with open_runners(drafter, modes, args) as runners:
                 bench_drafter(drafter_label(drafter), runners, plan)
     result_rows = rows(plan, args.background_load)
-    return {"rows": result_rows, "summaries": summaries(result_rows), "pipeline": pipeline_costs(plan.totals)}
+    summary_rows = summaries(result_rows)
+    return {
+        "rows": result_rows,
+        "summaries": summary_rows,
+        "targets": target_checks(summary_rows),
+        "pipeline": pipeline_costs(plan.totals),
+    }
 
 
 def run_info(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[str]) -> dict:
@@ -590,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     plan, drafters, modes = build_plan(args, error)
     set_openmp_defaults()  # before torch loads (the in-process mode loads it here, as the services do)
     result = run(args, plan, drafters, modes)
-    objects = [run_info(args, plan, drafters, modes), *result["rows"], *result["summaries"], *result["pipeline"]]
+    objects = [run_info(args, plan, drafters, modes)]
+    objects += [*result["rows"], *result["summaries"], *result["targets"], *result["pipeline"]]
     if args.json == "-":
         for obj in objects:
             print(json.dumps(obj), flush=True)

@@ -90,6 +90,10 @@ def test_bench_runs_every_workload_drafter_and_k_in_process(chat_pair, capsys):
     for s in summaries:
         assert set(s) == SUMMARY_FIELDS and s["grounded_mean_ratio"] > 0 and s["min_ratio"] > 0
         assert s["grounded_target"] == {0.0: 1.5, 1.0: 1.2}[s["temperature"]]
+    targets = {(t["check"], t["temperature"]): t for t in objects if t["type"] == "target"}
+    assert set(targets) == {(c, t) for c in ("grounded_mean", "auto_floor") for t in (0.0, 1.0)}
+    assert all(t["drafter"] == "ngram" for (c, _), t in targets.items() if c == "grounded_mean")
+    assert all(t["met"] == (t["value"] >= t["target"]) for t in targets.values())
 
 
 def test_bench_reads_a_prompt_file_and_prints_a_table(chat_pair, tmp_path, capsys):
