@@ -6,7 +6,7 @@ target alone (K = 0) measured in the same run, interleaved, as the baseline of e
   python scripts/bench.py --prompts my.jsonl           your own prompts (see below)
   python scripts/bench.py --modes grpc                 through the real stack (started per drafter)
   python scripts/bench.py --modes grpc,in-process      both, interleaved: the pipeline's own cost per round
-  python scripts/bench.py --address HOST:PORT --modes grpc   a stack that is already up (its one drafter)
+  python scripts/bench.py --address HOST:PORT          a stack that is already up (grpc mode, its one drafter)
   python scripts/bench.py --background-load 2          the same under 2 busy CPU processes
   python scripts/bench.py --json                       one JSON object per row on stdout (progress on stderr)
 
@@ -32,7 +32,19 @@ same drafter, workload, temperature and mode, acceptance, tokens and drafted tok
 milliseconds per round in Propose calls (draft), Verify calls (verify) and the rest of the engine's
 wall time (other: accept/reject, laws, text, Redis; the non-model overhead). Summary rows: per
 drafter x mode x temperature x K, the mean ratio over the input-grounded workloads and the minimum
-over all workloads.
+over all workloads; then the issue's targets, met or not.
+
+--json objects, by "type":
+  run       target, drafters (label -> spec), modes, ks, temperatures, max_new_tokens, ignore_eos,
+            repeats, conversations, prompts, background_load, cpus, python
+  row       drafter, mode, workload, temperature, k, background_load, conversations, requests, tokens,
+            seconds, tokens_per_s, ratio_vs_k0, acceptance_rate, tokens_per_round, drafted_per_round,
+            rounds, draft_ms_per_round, verify_ms_per_round, other_ms_per_round, call_ms_per_request
+            (per request outside the engine: validation, tokenisation, sessions, gRPC)
+  summary   drafter, mode, temperature, k, background_load, workloads, grounded_mean_ratio,
+            grounded_target, min_ratio, min_ratio_workload, auto_floor
+  target    check (grounded_mean | auto_floor), mode, temperature, target, value, met, drafter, k, workload
+  pipeline  (both modes) drafter, temperature, k, in_process_vs_grpc, ms_per_round
 """
 
 from __future__ import annotations
@@ -549,7 +561,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", default="0,1,2,4,auto", help="comma list of K (0 is always added; auto = adaptive K)")
     p.add_argument("--temperatures", default="0,1", help="comma list of temperatures (0 = greedy)")
     p.add_argument("--temperature", type=float, help="one temperature (same as --temperatures T)")
-    p.add_argument("--modes", default="in-process", help="in-process, grpc (the real stack), or both")
+    p.add_argument(
+        "--modes", help="in-process, grpc (the real stack), or both (default: in-process; grpc with --address)"
+    )
     p.add_argument("--in-process", action="store_true", help="same as --modes in-process")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of built-in workloads")
     p.add_argument("--per-workload", type=int, default=2, help="conversations per built-in workload")
@@ -578,7 +592,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_plan(args: argparse.Namespace, parser_error) -> tuple[Plan, list[str], list[str]]:
     """(plan, drafters, modes) from the arguments; parser_error for anything wrong."""
-    modes = ["in-process"] if args.in_process else [m.strip() for m in args.modes.split(",") if m.strip()]
+    default_mode = "grpc" if args.address else "in-process"
+    modes = ["in-process"] if args.in_process else [m.strip() for m in (args.modes or default_mode).split(",")]
     if unknown := sorted(set(modes) - set(MODES)):
         parser_error(f"unknown modes {unknown}; choose from {list(MODES)}")
     drafters = [d.strip() for d in (args.drafters or (MODEL_DRAFTER if args.address else DEFAULT_DRAFTERS)).split(",")]
