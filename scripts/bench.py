@@ -15,9 +15,11 @@ summarisation, document-qa (input-grounded: the answer copies the prompt), multi
 turns quote earlier ones) and open-ended. `--prompts FILE` takes JSONL instead, one object per line:
 {"workload": "mine", "prompt": "first user turn", "turns": ["optional", "later user turns"]}.
 
-Drafters: `model` is the distilled draft (`--draft`, default the one `make run` serves); any other
-name (`ngram`, `suffix`, `hybrid`) is passed as the draft model spec (SPECDEC_DRAFT_MODEL, or the
-in-process pipeline's draft), and LABEL=SPEC names any other draft, e.g. `tokens=drafts/smollm2-135m-instruct-2l`.
+Drafters (DRAFTERS below; adding one is a line there): `model` is the distilled draft (`--draft`,
+default the one `make run` serves), `ngram` and `suffix` the model-free drafts, `hybrid` the model
+with the suffix lookup tried first (`hybrid-ngram`: with ngram), as SPECDEC_DRAFT_MODEL /
+SPECDEC_DRAFT_LOOKUP or the in-process pipeline's draft; LABEL=SPEC names any other draft model,
+e.g. `tokens=drafts/smollm2-135m-instruct-2l`.
 Drafters run one after the other (each with its own K = 0 baseline); inside one, for every
 conversation, each temperature, then every K (order rotated per conversation), then every mode, so
 drift over time hits K = 0 and K > 0 alike. Requests go through the chat template (the client's
@@ -35,8 +37,9 @@ drafter x mode x temperature x K, the mean ratio over the input-grounded workloa
 over all workloads; then the issue's targets, met or not.
 
 --json objects, by "type":
-  run       target, drafters (label -> spec), modes, ks, temperatures, max_new_tokens, ignore_eos,
-            repeats, conversations, prompts, background_load, cpus, python
+  run       target, drafters, modes, ks, temperatures, max_new_tokens, ignore_eos,
+            repeats, conversations, prompts, background_load, cpus, python; drafters is
+            label -> {model, lookup}
   row       drafter, mode, workload, temperature, k, background_load, conversations, requests, tokens,
             seconds, tokens_per_s, ratio_vs_k0, acceptance_rate, tokens_per_round, drafted_per_round,
             rounds, draft_ms_per_round, verify_ms_per_round, other_ms_per_round, call_ms_per_request
@@ -143,43 +146,83 @@ class InProcessRunner:
         return calls
 
 
-def draft_spec(drafter: str, model_draft: str) -> str:
-    """What SPECDEC_DRAFT_MODEL (or the in-process draft) gets for a --drafters entry."""
-    if "=" in drafter:
-        return drafter.split("=", 1)[1]
-    return model_draft if drafter == MODEL_DRAFTER else drafter
+@dataclass(frozen=True)
+class Drafter:
+    """A --drafters entry: its label in the results, the draft model spec and the lookup (hybrid)."""
+
+    label: str
+    model: str  # SPECDEC_DRAFT_MODEL, or the in-process pipeline's draft
+    lookup: str = ""  # SPECDEC_DRAFT_LOOKUP: a model-free draft tried before the model (hybrid)
 
 
-def drafter_label(drafter: str) -> str:
-    return drafter.split("=", 1)[0]
+# name -> (draft model, lookup); MODEL_DRAFTER stands for --draft. Adding a drafter is one line here.
+DRAFTERS = {
+    "model": (MODEL_DRAFTER, ""),
+    "ngram": ("ngram", ""),
+    "suffix": ("suffix", ""),
+    "hybrid": (MODEL_DRAFTER, "suffix"),
+    "hybrid-ngram": (MODEL_DRAFTER, "ngram"),
+}
+
+
+def parse_drafter(entry: str, model_draft: str) -> Drafter:
+    """A name of DRAFTERS, or LABEL=SPEC for any other draft model; ValueError for an unknown name."""
+    if "=" in entry:
+        label, spec = (part.strip() for part in entry.split("=", 1))
+        if not label or not spec:
+            raise ValueError(f"drafter {entry!r}: expected LABEL=SPEC")
+        return Drafter(label, spec)
+    if entry not in DRAFTERS:
+        raise ValueError(f"unknown drafter {entry!r}; choose from {sorted(DRAFTERS)} or give LABEL=SPEC")
+    model, lookup = DRAFTERS[entry]
+    return Drafter(entry, model_draft if model == MODEL_DRAFTER else model, lookup)
 
 
 @contextmanager
-def open_runners(drafter: str, modes: list[str], args) -> Iterator[dict]:
+def open_runners(drafter: Drafter, modes: list[str], args) -> Iterator[dict]:
     """mode -> runner for one drafter: the stack started with it (unless --address), the pipeline loaded."""
-    spec = draft_spec(drafter, args.draft)
     with ExitStack() as exits:
         runners = {}
         if "grpc" in modes:
-            runners["grpc"] = GrpcRunner(exits.enter_context(_grpc_client(spec, args)))
+            runners["grpc"] = GrpcRunner(exits.enter_context(_grpc_client(drafter, args)))
         if "in-process" in modes:
             from specdec.inprocess import InProcessPipeline
 
-            runners["in-process"] = InProcessRunner(InProcessPipeline(args.target, spec))
+            # lookup only for a hybrid: other drafters keep the pipeline's own default.
+            extra = {"lookup": drafter.lookup} if drafter.lookup else {}
+            runners["in-process"] = InProcessRunner(InProcessPipeline(args.target, drafter.model, **extra))
         yield runners
 
 
 @contextmanager
-def _grpc_client(spec: str, args):
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` for the block (the stack's services inherit it), then as it was."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def _grpc_client(drafter: Drafter, args):
     from specdec.client import SpecdecClient
 
     address = args.address
     if address is None:
-        os.environ["SPECDEC_TARGET_MODEL"] = args.target
-        os.environ["SPECDEC_DRAFT_MODEL"] = spec
-        os.environ["SPECDEC_DRAFT_TOKENIZER"] = args.target  # a model-free draft's vocabulary
-        log(f"starting the stack: target {args.target}, draft {spec}")
-        with redirect_stdout(sys.stderr):  # stdout carries only results (--json)
+        env = {
+            "SPECDEC_TARGET_MODEL": args.target,
+            "SPECDEC_DRAFT_MODEL": drafter.model,
+            "SPECDEC_DRAFT_LOOKUP": drafter.lookup,
+            "SPECDEC_DRAFT_TOKENIZER": args.target,  # a model-free draft's vocabulary
+        }
+        log(f"starting the stack: target {args.target}, draft {drafter.model} {drafter.lookup}")
+        with _environment(env), redirect_stdout(sys.stderr):  # stdout carries only results (--json)
             address = stack.up()["coordinator"]
     try:
         with SpecdecClient(address, timeout_s=900) as client:
@@ -555,7 +598,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--drafters",
         default=None,
-        help=f"comma list: model, ngram, suffix, hybrid, or LABEL=SPEC (default {DEFAULT_DRAFTERS}; "
+        help=f"comma list of {', '.join(DRAFTERS)}, or LABEL=SPEC (default {DEFAULT_DRAFTERS}; "
         "with --address: one label, default model)",
     )
     p.add_argument("--ks", default="0,1,2,4,auto", help="comma list of K (0 is always added; auto = adaptive K)")
@@ -590,16 +633,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_plan(args: argparse.Namespace, parser_error) -> tuple[Plan, list[str], list[str]]:
+def build_plan(args: argparse.Namespace, parser_error) -> tuple[Plan, list[Drafter], list[str]]:
     """(plan, drafters, modes) from the arguments; parser_error for anything wrong."""
     default_mode = "grpc" if args.address else "in-process"
     modes = ["in-process"] if args.in_process else [m.strip() for m in (args.modes or default_mode).split(",")]
     if unknown := sorted(set(modes) - set(MODES)):
         parser_error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    drafters = [d.strip() for d in (args.drafters or (MODEL_DRAFTER if args.address else DEFAULT_DRAFTERS)).split(",")]
-    if args.address and len(drafters) != 1:
+    entries = [d.strip() for d in (args.drafters or (MODEL_DRAFTER if args.address else DEFAULT_DRAFTERS)).split(",")]
+    if args.address and len(entries) != 1:
         parser_error("--address benches the one drafter that stack serves: give one --drafters label")
     try:
+        drafters = [parse_drafter(entry, args.draft) for entry in entries if entry]
         ks = parse_ks(args.ks)
         temps = [args.temperature] if args.temperature is not None else [float(t) for t in args.temperatures.split(",")]
         if args.prompts:
@@ -613,13 +657,13 @@ def build_plan(args: argparse.Namespace, parser_error) -> tuple[Plan, list[str],
     return plan, drafters, modes
 
 
-def run(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[str]) -> dict:
+def run(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], modes: list[str]) -> dict:
     with background_load(args.background_load, args.background_kind) as busy:
         if busy:
             log(f"background load: {len(busy)} {args.background_kind} processes (pids {busy})")
         for drafter in drafters:
             with open_runners(drafter, modes, args) as runners:
-                bench_drafter(drafter_label(drafter), runners, plan)
+                bench_drafter(drafter.label, runners, plan)
     result_rows = rows(plan, args.background_load)
     summary_rows = summaries(result_rows)
     return {
@@ -630,11 +674,11 @@ def run(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[s
     }
 
 
-def run_info(args: argparse.Namespace, plan: Plan, drafters: list[str], modes: list[str]) -> dict:
+def run_info(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], modes: list[str]) -> dict:
     return {
         "type": "run",
         "target": args.target,
-        "drafters": {drafter_label(d): draft_spec(d, args.draft) for d in drafters},
+        "drafters": {d.label: {"model": d.model, "lookup": d.lookup} for d in drafters},
         "modes": modes,
         "ks": plan.ks,
         "temperatures": plan.temperatures,

@@ -112,6 +112,8 @@ def test_bad_options_are_clear_errors(tmp_path):
         bench.main(["--prompts", str(tmp_path / "bad.jsonl")])
     with pytest.raises(SystemExit, match="K must be"):
         bench.main(["--ks", "1,two"])
+    with pytest.raises(SystemExit, match="unknown drafter"):
+        bench.main(["--drafters", "model,ngarm"])
     with pytest.raises(SystemExit, match="unknown modes"):
         bench.main(["--modes", "cloud"])
     with pytest.raises(SystemExit, match="one drafter"):
@@ -124,11 +126,15 @@ def test_ks_always_start_with_zero():
     assert bench.rotated([0, 1, 2], 4) == [1, 2, 0]
 
 
-def test_drafter_names_map_to_draft_specs():
-    assert bench.draft_spec("model", "drafts/x") == "drafts/x"
-    assert bench.draft_spec("suffix", "drafts/x") == "suffix"
-    assert bench.draft_spec("tokens=drafts/y", "drafts/x") == "drafts/y"
-    assert bench.drafter_label("tokens=drafts/y") == "tokens"
+def test_drafter_names_map_to_draft_models_and_lookups():
+    assert bench.parse_drafter("model", "drafts/x") == bench.Drafter("model", "drafts/x")
+    assert bench.parse_drafter("suffix", "drafts/x") == bench.Drafter("suffix", "suffix")
+    assert bench.parse_drafter("hybrid", "drafts/x") == bench.Drafter("hybrid", "drafts/x", "suffix")
+    assert bench.parse_drafter("tokens=drafts/y", "drafts/x") == bench.Drafter("tokens", "drafts/y")
+    with pytest.raises(ValueError, match="unknown drafter 'ngarm'"):
+        bench.parse_drafter("ngarm", "drafts/x")
+    with pytest.raises(ValueError, match="LABEL=SPEC"):
+        bench.parse_drafter("=drafts/y", "drafts/x")
 
 
 def test_background_load_runs_busy_processes_and_stops_them():
