@@ -28,6 +28,9 @@ is served; at T = 0 every K emits the same tokens); `--ignore-eos` generates exa
 --max-new-tokens every time instead. A multi-turn conversation continues its session in the grpc
 mode; in process (no sessions) each later turn sends the whole history as token ids, the same
 context the session would hold, and its prefix is computed again (no KV cache kept across calls).
+In process, a drafter with state across sessions (a `reset()` method: suffix, hybrid) is reset
+before every conversation, so no config is drafted from another config's answer to the same
+prompt; the grpc mode cannot reset the draft service, so its suffix rows include that reuse.
 
 Per row: tokens/s (generated tokens / client-side wall time of the calls), the ratio to K = 0 of the
 same drafter, workload, temperature and mode, acceptance, tokens and drafted tokens per round, and
@@ -132,17 +135,29 @@ class InProcessRunner:
         tokenizer = self.pipeline.tokenizer
         return tokenizer(chat_turn_text(tokenizer, text, continuing), add_special_tokens=False)["input_ids"]
 
+    def forget_draft_state(self) -> None:
+        """Every config reruns the same conversations, and at T = 0 emits the same tokens: a drafter
+        that learns across sessions (suffix, hybrid) would propose one config's answer to the next.
+        Such a drafter offers reset(), called before every conversation so each starts cold."""
+        drafter = getattr(getattr(self.pipeline, "draft", None), "drafter", None)
+        if callable(reset := getattr(drafter, "reset", None)):
+            reset()
+
     def run(self, conversation: Conversation, **kwargs) -> list[Call]:
+        self.forget_draft_state()
         calls, history = [], []
         for text in (conversation.prompt, *conversation.turns):
-            prompt_ids = history + self._turn_ids(text, continuing=bool(history))
-            started = time.perf_counter()
             if history:
+                prompt_ids = history + self._turn_ids(text, continuing=True)
+                started = time.perf_counter()
                 response = self.pipeline.generate(prompt_ids, **kwargs)
             else:  # a first turn is text with chat=True, exactly as the client sends it
+                started = time.perf_counter()
                 response = self.pipeline.generate(text, chat=True, **kwargs)
             calls.append(Call(response.stats, time.perf_counter() - started))
-            history = prompt_ids + list(response.completions[0].token_ids)
+            if conversation.turns:  # what a session would hold now: the prompt's tokens and the answer
+                prompt_ids = prompt_ids if history else self._turn_ids(text, continuing=False)
+                history = prompt_ids + list(response.completions[0].token_ids)
         return calls
 
 

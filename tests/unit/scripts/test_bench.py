@@ -146,3 +146,19 @@ def test_background_load_runs_busy_processes_and_stops_them():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_in_process_runs_reset_a_drafter_with_state_across_sessions():
+    from types import SimpleNamespace
+
+    from workloads import Conversation
+
+    resets = []
+    drafter = SimpleNamespace(reset=lambda: resets.append(1))
+    response = SimpleNamespace(stats=SimpleNamespace(), completions=[SimpleNamespace(token_ids=[1])])
+    pipeline = SimpleNamespace(draft=SimpleNamespace(drafter=drafter), generate=lambda prompt, **kw: response)
+    runner = bench.InProcessRunner(pipeline)
+    runner.run(Conversation("w", "a", "hello"), max_new_tokens=1)
+    runner.run(Conversation("w", "b", "again"), max_new_tokens=1)
+    assert len(resets) == 2
+    bench.InProcessRunner(SimpleNamespace(draft=None, generate=pipeline.generate)).run(Conversation("w", "c", "x"))
