@@ -1,15 +1,15 @@
 """The model-free draft: prompt lookup (`specdec.core.ngram`), proposals sent as point masses.
 
-`NgramDrafter` is the engine's Drafter in one process; `NgramModel` is what the draft service
-holds in place of a loaded model (`SPECDEC_DRAFT_MODEL=ngram`): Info from the target's tokenizer,
-no KV cache, no position limit.
+`NgramDrafter` is the engine's Drafter in one process; `load_ngram` gives what the draft service
+holds for `SPECDEC_DRAFT_MODEL=ngram` (a `ServedDraft`): Info from the target's tokenizer, no KV
+cache, no position limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from draft_service.served import ServedDraft, model_free_info
 from draft_service.settings import MAX_NGRAM, NGRAM_MODEL, DraftSettings
 from specdec.core.ngram import ngram_proposal
 from specdec.core.protocols import Deadline, DraftProposal, DraftRequest
@@ -40,38 +40,15 @@ class NgramDrafter:
         ]
 
 
-@dataclass(frozen=True)
-class NgramModel:
-    """What the draft service holds for the model-free draft: its drafter and its Info (no runner)."""
-
-    drafter: NgramDrafter
-    info: common_pb2.ModelInfo
-    runner: None = None  # no model, so no KV cache to observe
-
-
 def ngram_info(tokenizer, tokenizer_spec: str, min_n: int, max_n: int) -> common_pb2.ModelInfo:
-    from specdec.models.sources import tokenizer_fingerprint
-
-    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    return common_pb2.ModelInfo(
-        model_id=f"{NGRAM_MODEL}:{min_n}-{max_n}@{tokenizer_spec}",
-        vocab_size=len(tokenizer),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        eos_token_ids=eos,
-        dtype="",
-        device="cpu",
-        max_position_embeddings=0,  # no position limit of its own
-        role="draft",
-        hidden_size=0,
-        needs_target_hidden_states=False,
-    )
+    return model_free_info(tokenizer, f"{NGRAM_MODEL}:{min_n}-{max_n}@{tokenizer_spec}")
 
 
-def load_ngram(settings: DraftSettings, tokenizer=None) -> NgramModel:
+def load_ngram(settings: DraftSettings, tokenizer=None) -> ServedDraft:
     """The ngram draft for `settings.tokenizer` (loaded unless given)."""
     if tokenizer is None:
         from specdec.models.sources import load_tokenizer
 
         tokenizer = load_tokenizer(settings.tokenizer)
     info = ngram_info(tokenizer, settings.tokenizer, settings.ngram_min, settings.ngram_max)
-    return NgramModel(NgramDrafter(settings.ngram_min, settings.ngram_max), info)
+    return ServedDraft(NgramDrafter(settings.ngram_min, settings.ngram_max), info)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from draft_service.hidden_rows import HiddenRowStore
-from draft_service.ngram import NgramModel, load_ngram
-from draft_service.proposer import propose
-from draft_service.settings import NGRAM_MODEL, DraftSettings
+from draft_service.loading import load_draft
+from draft_service.served import ServedDraft, served
+from draft_service.settings import DraftSettings
 from specdec.core.errors import InvalidArgument
 from specdec.core.protocols import NO_DEADLINE, DraftRequest
 from specdec.rpc.errors import grpc_errors
@@ -90,24 +92,26 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        requests, loaded = self._requests(request), self.loaded
-        if isinstance(loaded, NgramModel):
-            return propose_response(loaded.drafter.propose(requests, sampling, NO_DEADLINE))
-        runner = loaded.runner
-        return propose_response(runner.on_model_thread(propose, runner, requests, sampling))
+        requests, drafter = self._requests(request), self.loaded.drafter
+        # A model's drafter runs on the model's thread; a model-free one here (draft_service.served).
+        return propose_response(drafter.propose(requests, sampling, NO_DEADLINE))
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802
         return self.loaded.info
 
+    def attach(self, loaded: LoadedModel | ServedDraft) -> None:
+        super().attach(served(loaded))
 
-def create_server(settings: DraftSettings, loaded: LoadedModel | NgramModel | None = None) -> tuple[GrpcServer, int]:
-    """Start the draft server; SERVING once the model is loaded (at once if `loaded` is given).
 
-    `model=ngram` serves the model-free prompt-lookup draft: SERVING once the tokenizer loads.
+def create_server(settings: DraftSettings, loaded: LoadedModel | ServedDraft | None = None) -> tuple[GrpcServer, int]:
+    """Start the draft server; SERVING once the draft is loaded (at once if `loaded` is given).
+
+    `model=ngram` / `suffix` serve a model-free draft: SERVING once the tokenizer loads; a model
+    with `lookup` set serves the hybrid draft (`draft_service.loading.load_draft`).
     """
     servicer = DraftServicer(settings)
-    load = (lambda: load_ngram(settings)) if settings.model == NGRAM_MODEL else None
+    load = partial(load_draft, settings)
     grpc_server = start_model_server(
         settings,
         servicer,

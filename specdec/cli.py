@@ -48,7 +48,7 @@ def _chunks(args: argparse.Namespace, kwargs: dict, stack: ExitStack) -> Iterato
 
     hf_logging.disable_progress_bar()  # the completion streams to the same terminal
 
-    return InProcessPipeline(args.target, args.draft or None).stream(args.prompt, **kwargs)
+    return InProcessPipeline(args.target, args.draft or None, args.draft_lookup).stream(args.prompt, **kwargs)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -112,7 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help="--in-process: the draft model ('' = none, K=0 only; 'ngram' = prompt lookup, no model)",
+        help="--in-process: the draft model ('' = none, K=0 only; 'ngram' = prompt lookup, 'suffix' = "
+        "suffix trie over recent sequences: no model)",
+    )
+    gen.add_argument(
+        "--draft-lookup",
+        choices=["", "ngram", "suffix"],
+        help="--in-process: with a draft model, try this model-free draft first per sequence (hybrid; "
+        "default SPECDEC_DRAFT_LOOKUP)",
     )
     gen.set_defaults(func=_generate)
     session = sub.add_parser("session", help="show or delete a stored session")

@@ -27,10 +27,14 @@ def _pool_info(target, draft) -> PoolInfo:
     return PoolInfo(target.info, draft.info, compatibility_error(draft.info, target.info))
 
 
-def _load(target: str, draft: str | None):
-    """(target LoadedModel, draft LoadedModel, NgramModel (draft "ngram") or None, the target's tokenizer)."""
-    from draft_service.ngram import load_ngram
-    from draft_service.settings import NGRAM_MODEL, DraftSettings
+def _load(target: str, draft: str | None, lookup: str | None):
+    """(target LoadedModel, the draft a draft service would serve (`ServedDraft`) or None, the
+    target's tokenizer). The draft's settings are the draft service's: flags none, SPECDEC_DRAFT_*
+    env vars, then `draft` (model, ngram or suffix) and `lookup` (hybrid) when given."""
+    import os
+
+    from draft_service.loading import load_draft
+    from draft_service.settings import DraftSettings
     from specdec.models.sources import load_tokenizer
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
@@ -38,34 +42,37 @@ def _load(target: str, draft: str | None):
 
     loaded_target = load_model(load_settings(TargetSettings, [], {}, model=target), "target")
     tokenizer = load_tokenizer(target)
-    if draft == NGRAM_MODEL:
-        loaded_draft = load_ngram(load_settings(DraftSettings, [], {}, model=draft, tokenizer=target), tokenizer)
-    else:
-        loaded_draft = load_model(load_settings(DraftSettings, [], {}, model=draft), "draft") if draft else None
-    return loaded_target, loaded_draft, tokenizer
+    if not draft:
+        return loaded_target, None, tokenizer
+    overrides = {"model": draft, "tokenizer": target} | ({} if lookup is None else {"lookup": lookup})
+    settings = load_settings(DraftSettings, [], os.environ, prog="draft settings", **overrides)
+    return loaded_target, load_draft(settings, tokenizer), tokenizer
 
 
 class InProcessPipeline:
     """`generate` / `stream` as `SpecdecClient` offers them, served by models in this process."""
 
-    def __init__(self, target: str = DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, **coordinator_settings):
+    def __init__(
+        self,
+        target: str = DEFAULT_MODEL,
+        draft: str | None = DEFAULT_DRAFT,
+        lookup: str | None = None,
+        **coordinator_settings,
+    ):
+        """`draft`: a model, 'ngram', 'suffix' or None; `lookup` ('ngram' / 'suffix') with a model:
+        hybrid (None: SPECDEC_DRAFT_LOOKUP, as the draft service reads it)."""
         from target_service.verifier import LocalVerifier
 
         # Load on a thread that then ends, as the model services do: torch ops on a long-lived
         # thread (the caller's) leave an OpenMP team behind that slows every multi-row forward
         # the model thread runs later (a 2-token Verify here: ~150 ms against ~113 ms).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-loader") as loader:
-            self.target, self.draft, self.tokenizer = loader.submit(_load, target, draft).result()
+            self.target, self.draft, self.tokenizer = loader.submit(_load, target, draft, lookup).result()
         pools = _pool_info(self.target, self.draft)
-        drafter = None
-        if self.draft is not None and self.draft.runner is None:
-            drafter = self.draft.drafter  # the model-free ngram draft
-        elif self.draft is not None:
-            from draft_service.proposer import LocalDrafter
-
+        drafter = None if self.draft is None else self.draft.drafter
+        if self.draft is not None and self.draft.runner is not None:
             # One OpenMP team for both models, as one service process has for its one model.
             self.draft.runner.share_model_thread(self.target.runner)
-            drafter = LocalDrafter(self.draft.runner)
         engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner), self.decode)
         if self.draft is None:
             coordinator_settings.setdefault("default_num_speculative_tokens", "0")

@@ -74,3 +74,44 @@ def test_a_bad_default_k_is_refused_with_a_clear_message(value, capsys):
     with pytest.raises(SystemExit):
         load_settings(CoordinatorSettings, [], {"SPECDEC_COORDINATOR_DEFAULT_K": value})
     assert "DEFAULT_K) must be 'auto' or an integer in [0, 16]" in capsys.readouterr().err
+
+
+def test_the_suffix_draft_settings_and_their_bounds(capsys):
+    settings = load_settings(DraftSettings, [], {"SPECDEC_DRAFT_MODEL": "suffix"})
+    assert settings.model == "suffix" and settings.lookup == ""
+    assert (settings.suffix_max_depth, settings.suffix_min_match) == (24, 2)
+    assert (settings.suffix_min_token_prob, settings.suffix_min_path_prob) == (0.3, 0.3)
+    assert settings.suffix_cache_max_tokens == 65536
+    assert env_vars(DraftSettings)["suffix_cache_max_tokens"] == "SPECDEC_DRAFT_SUFFIX_CACHE_MAX_TOKENS"
+    flags = ["--suffix-max-depth", "64", "--suffix-min-match", "63", "--suffix-min-token-prob", "1"]
+    assert load_settings(DraftSettings, flags, {}).suffix_max_depth == 64
+    for env, message in (
+        ({"SPECDEC_DRAFT_SUFFIX_MAX_DEPTH": "1"}, "suffix_max_depth must be in [2, 64]"),
+        ({"SPECDEC_DRAFT_SUFFIX_MAX_DEPTH": "65"}, "suffix_max_depth must be in [2, 64]"),
+        ({"SPECDEC_DRAFT_SUFFIX_MIN_MATCH": "0"}, "suffix_min_match must be in [1, suffix_max_depth - 1 = 23]"),
+        ({"SPECDEC_DRAFT_SUFFIX_MIN_MATCH": "24"}, "suffix_min_match must be in [1, suffix_max_depth - 1 = 23]"),
+        ({"SPECDEC_DRAFT_SUFFIX_MIN_TOKEN_PROB": "0"}, "suffix_min_token_prob must be in (0, 1]"),
+        ({"SPECDEC_DRAFT_SUFFIX_MIN_PATH_PROB": "1.5"}, "suffix_min_path_prob must be in (0, 1]"),
+        ({"SPECDEC_DRAFT_SUFFIX_MIN_PATH_PROB": "nan"}, "suffix_min_path_prob must be in (0, 1]"),
+        ({"SPECDEC_DRAFT_SUFFIX_CACHE_MAX_TOKENS": "0"}, "suffix_cache_max_tokens must be in [1, 100000000]"),
+    ):
+        with pytest.raises(SystemExit):
+            load_settings(DraftSettings, [], {"SPECDEC_DRAFT_MODEL": "suffix", **env})
+        assert message in capsys.readouterr().err
+
+
+def test_a_lookup_makes_a_model_draft_hybrid_and_needs_one(capsys):
+    env = {"SPECDEC_DRAFT_MODEL": "/models/d", "SPECDEC_DRAFT_LOOKUP": "suffix"}
+    assert load_settings(DraftSettings, [], env).lookup == "suffix"
+    assert load_settings(DraftSettings, ["--lookup", "ngram"], {}).lookup == "ngram"
+    for env, message in (
+        ({"SPECDEC_DRAFT_LOOKUP": "sufix"}, "lookup must be '' (none), 'ngram' or 'suffix', got 'sufix'"),
+        ({"SPECDEC_DRAFT_LOOKUP": "hybrid"}, "lookup must be '' (none), 'ngram' or 'suffix', got 'hybrid'"),
+        (
+            {"SPECDEC_DRAFT_MODEL": "ngram", "SPECDEC_DRAFT_LOOKUP": "suffix"},
+            "lookup='suffix' goes with a draft model (hybrid); model='ngram' is model-free already",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            load_settings(DraftSettings, [], env)
+        assert message in capsys.readouterr().err
