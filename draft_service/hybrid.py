@@ -20,6 +20,11 @@ class HybridDrafter:
         self.lookup = lookup
         self.model = model
 
+    def reset(self) -> None:
+        """Forget what the lookup has cached, where it caches anything (suffix)."""
+        if callable(reset := getattr(self.lookup, "reset", None)):
+            reset()
+
     def propose(self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
         proposals = list(self.lookup.propose(requests, sampling, deadline))
         unmatched = [i for i, p in enumerate(proposals) if not p.draft_token_ids]

@@ -35,6 +35,11 @@ class SuffixDrafter:
     def cached_tokens(self) -> int:
         return self.cache.total_tokens
 
+    def reset(self) -> None:
+        """Forget every cached prefix (a benchmark starts each conversation cold with it)."""
+        with self._lock:
+            self.cache = SuffixCache(self.cache.params, self.cache.max_tokens)
+
     def propose(self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
         deadline.check()
         with self._lock:

@@ -39,6 +39,10 @@ def test_the_suffix_drafter_sends_point_masses_and_shares_its_cache_across_keys(
     assert found.point_mass and found.draft_token_ids == [3, 4]  # the end of what "a" was seen with
     assert none.point_mass and none.draft_token_ids == []
     assert drafter.cached_tokens == 7  # "a" and "b"; the keyless sample is not kept
+    HybridDrafter(drafter, _Recording()).reset()  # a hybrid resets its lookup
+    assert drafter.cached_tokens == 0
+    (cold,) = drafter.propose([_request([1, 2], key="c")], Sampling(1.0), NO_DEADLINE)
+    assert cold.draft_token_ids == []
 
 
 def test_hybrid_asks_the_model_only_for_the_sequences_the_lookup_left_empty():
