@@ -9,7 +9,7 @@ import numpy as np
 from draft_service.hidden_rows import HiddenRowStore
 from draft_service.loading import load_draft
 from draft_service.served import ServedDraft, served
-from draft_service.settings import DraftSettings
+from draft_service.settings import SUFFIX_MODEL, DraftSettings
 from specdec.core.errors import InvalidArgument
 from specdec.core.protocols import NO_DEADLINE, DraftRequest
 from specdec.rpc.errors import grpc_errors
@@ -103,6 +103,11 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
     def attach(self, loaded: LoadedModel | ServedDraft) -> None:
         super().attach(served(loaded))
 
+    def suffix_cached_tokens(self) -> int:
+        """Tokens the suffix draft (alone, or a hybrid's lookup) keeps indexed; 0 before it loads."""
+        drafter = None if self._loaded is None else self._loaded.drafter
+        return getattr(getattr(drafter, "lookup", drafter), "cached_tokens", 0)
+
 
 def create_server(settings: DraftSettings, loaded: LoadedModel | ServedDraft | None = None) -> tuple[GrpcServer, int]:
     """Start the draft server; SERVING once the draft is loaded (at once if `loaded` is given).
@@ -120,4 +125,12 @@ def create_server(settings: DraftSettings, loaded: LoadedModel | ServedDraft | N
         loaded,
         load,
     )
+    if SUFFIX_MODEL in (settings.model, settings.lookup):
+        grpc_server.registry.observe(
+            "specdec_suffix_cache_tokens",
+            "tokens the suffix draft keeps indexed across sessions",
+            "gauge",
+            {"service": servicer.role},
+            servicer.suffix_cached_tokens,
+        )
     return grpc_server, grpc_server.port

@@ -16,6 +16,7 @@ then get proposals from other sessions' outputs as well as from their own prefix
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -150,6 +151,8 @@ def test_a_draft_server_started_with_model_suffix_serves_point_masses(tiny_model
             # 14 tokens are over the bound of 12: "a" lost its 2 oldest; "d" makes that 6.
             (trimmed,) = propose(("d", [2, 3]))  # (2, 3) was followed by 4 at the start of "a"
             assert list(trimmed.draft_token_ids) == []
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5)
+            assert 'specdec_suffix_cache_tokens{service="draft"} 12' in metrics.read().decode()
     finally:
         server.server.stop(0).wait(10)
 
