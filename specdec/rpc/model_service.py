@@ -139,7 +139,7 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     info = model_info_proto(runner, source, tokenizer, role, settings.dtype, settings.device)
     if costs is not None:
         info.forward_cost_ms.extend(costs.milliseconds())
-        log.info("%s forward ms by rows: %s; layouts: %s", role, costs.milliseconds(), ",".join(costs.layouts))
+        log.info("%s forward ms by rows: %s; layouts by rows: %s", role, costs.milliseconds(), costs.describe())
     return LoadedModel(runner, info)
 
 

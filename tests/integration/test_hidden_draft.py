@@ -28,6 +28,7 @@ def hidden_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
     from draft_service.settings import DraftSettings
     from specdec.models.draft_artifact import CONDITIONING_TARGET_HIDDEN, build_draft, save_draft_artifact
     from specdec.models.loading import load_causal_lm
+    from specdec.models.openmp_env import available_cpus
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from specdec.v1 import coordinator_pb2_grpc
@@ -39,7 +40,10 @@ def hidden_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
         for param in [*draft.model.layers.parameters(), *draft.hidden_fuse.parameters()]:
             param.add_(0.5 * torch.randn(param.shape, generator=generator) * (param.std() + 0.05))
     artifact = save_draft_artifact(tmp_path_factory.mktemp("hidden") / "draft", draft, tiny_model_dirs["target"], [1])
-    loaded = load_model(load_settings(DraftSettings, [], {}, model=str(artifact)), "draft")
+    # A fixed thread count: the compared calls below must run the same kernels bit for bit (the
+    # default measures thread counts per forward, which may differ between two calls).
+    settings = load_settings(DraftSettings, [], {}, model=str(artifact), torch_threads=available_cpus())
+    loaded = load_model(settings, "draft")
     stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=loaded)
     channel = stack.channel()
     yield {"stub": coordinator_pb2_grpc.CoordinatorStub(channel), "draft": loaded, "stack": stack}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.models.calibration import calibrate, plan_layouts
-from specdec.models.cpu_layout import LayoutPlan, PlannedLinear, drop_transposed, use_layout_plan
+from specdec.models.calibration import forward_costs, plan_layouts, tune_layouts
+from specdec.models.cpu_layout import LayoutPlan, PlannedLinear, drop_transposed, planned_linears, use_layout_plans
 from specdec.models.layouts import LAYOUTS, LINEAR, TRANSPOSED, WEIGHT_MAJOR
 from specdec.models.runner import ModelRunner, SessionKVCache
 
@@ -51,51 +51,60 @@ def _tiny_llama():
 def test_swapping_keeps_the_tied_head_tied_and_the_logits():
     model = _tiny_llama()
     ids = torch.tensor([[1, 2, 3, 4, 5]])
-    plan = LayoutPlan(TRANSPOSED)
     with torch.no_grad():
         before = model(input_ids=ids).logits
-        swapped = use_layout_plan(model, plan)
+        plans = use_layout_plans(model, TRANSPOSED)
         transposed = model(input_ids=ids).logits
-        plan.default = WEIGHT_MAJOR
+        for plan in plans.values():
+            plan.default = WEIGHT_MAJOR
         weight_major = model(input_ids=ids).logits
-    assert swapped == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    # one plan per weight shape: q/o 16->16, k/v 16->8, gate/up 16->32, down 32->16, the head 16->16 (shared with q/o)
+    assert set(plans) == {(16, 16), (16, 8), (16, 32), (32, 16)}
+    assert sum(len(group) for group in planned_linears(model).values()) == 2 * 7 + 1
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.get_output_embeddings().out_features == 16
     torch.testing.assert_close(transposed, before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight_major, before, rtol=1e-5, atol=1e-5)
-    assert drop_transposed(model) == swapped and drop_transposed(model) == 0
+    assert drop_transposed(model) == 2 * 7 + 1 and drop_transposed(model) == 0  # no plan uses them now
 
 
-def test_calibration_measures_every_row_count_and_leaves_no_trace_in_the_cache():
+def test_copies_are_dropped_only_where_no_plan_uses_them():
+    model = _tiny_llama()
+    plans = use_layout_plans(model, LINEAR)
+    plans[(32, 16)].set(2, TRANSPOSED)
+    assert drop_transposed(model) == 2 * 7 + 1 - 2  # all but the two down projections
+    assert all(m.weight_t is not None for m in planned_linears(model)[(32, 16)])
+
+
+def test_tuning_sets_a_measured_layout_per_shape_and_row_count():
+    model = _tiny_llama()
+    plans = use_layout_plans(model, LINEAR)
+    tune_layouts(model, plans, 4, repeats=1)
+    for plan in plans.values():
+        assert set(plan.by_rows) == {1, 2, 3, 4} and set(plan.by_rows.values()) <= set(LAYOUTS)
+
+
+def test_forward_costs_cover_every_row_count_and_leave_no_trace_in_the_cache():
     runner = ModelRunner(_tiny_llama(), SessionKVCache(4, 1000))
     runner.last_logits("client", [1, 2, 3], 1)
     hits, misses = runner.cache.hits, runner.cache.misses
-    plan = LayoutPlan(LINEAR)
-    use_layout_plan(runner.model, plan)
-    costs = calibrate(runner, 5, plan, prefix_len=8, repeats=2)
-    assert len(costs.seconds) == len(costs.layouts) == 5 and all(s > 0 for s in costs.seconds)
-    assert set(costs.measured) == set(LAYOUTS)
-    for rows, layout in enumerate(costs.layouts, start=1):
-        assert plan.layout(rows) == layout
-        assert (
-            costs.seconds[rows - 1]
-            == costs.measured[layout][rows - 1]
-            == min(times[rows - 1] for times in costs.measured.values())
-        )
+    seconds = forward_costs(runner, 5, prefix_len=8, repeats=2)
+    assert len(seconds) == 5 and all(0 < s < 10 for s in seconds)
     assert len(runner.cache) == 1 and (runner.cache.hits, runner.cache.misses) == (hits, misses)
 
 
-@pytest.mark.parametrize("layout", ["auto", WEIGHT_MAJOR])
-def test_plan_layouts_keeps_the_transposed_copy_only_when_used(layout):
+@pytest.mark.parametrize("layout", ["auto", WEIGHT_MAJOR, TRANSPOSED])
+def test_plan_layouts_keeps_the_logits_and_reports_the_curve(layout):
     runner = ModelRunner(_tiny_llama(), SessionKVCache(4, 1000))
     with torch.no_grad():
         before = runner.model(input_ids=torch.tensor([[1, 2, 3]])).logits
     costs = plan_layouts(runner, layout, 3)
-    planned = [m for m in runner.model.modules() if isinstance(m, PlannedLinear)]
-    kept = {m.weight_t is not None for m in planned}
-    assert kept == {TRANSPOSED in costs.layouts}
+    assert len(costs.milliseconds()) == 3 and set(costs.layouts) == {"16->16", "16->8", "16->32", "32->16"}
     if layout != "auto":
-        assert costs.layouts == ("as loaded",) * 3
+        assert all(chosen == (layout,) * 3 for chosen in costs.layouts.values())
+    used = {any(TRANSPOSED == c for c in chosen) for chosen in costs.layouts.values()}
+    kept = {m.weight_t is not None for m in runner.model.modules() if isinstance(m, PlannedLinear)}
+    assert kept <= used
     with torch.no_grad():
         after = runner.model(input_ids=torch.tensor([[1, 2, 3]])).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
