@@ -3,6 +3,7 @@ artifacts included."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     source = resolve_model_source(spec)
+    if resolve_device(device).type == "cpu":
+        _cpu_attention_defaults()
     if is_draft_artifact(source):
         model = load_draft_artifact(source.location, dtype=dtype, device=device)
         model.eval()
@@ -41,6 +44,17 @@ def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu"):
     model.to(resolve_device(device))
     model.eval()
     return model, source
+
+
+def _cpu_attention_defaults() -> None:
+    """Grouped-query attention over several query rows with a mask (a Verify, a prefill), on CPU.
+
+    transformers' SDPA path copies every key/value head group-fold (`repeat_kv`) whenever a mask is
+    passed, because CUDA kernels would fall back to the slow path otherwise. torch's CPU flash
+    kernel takes the mask with `enable_gqa` directly, bit for bit the same output: without the copy,
+    a 3-5 row forward of SmolLM2 after 600 tokens is ~8 ms faster. An environment value wins.
+    """
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
