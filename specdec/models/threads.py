@@ -23,8 +23,8 @@ _MAX_KEY = 17  # row counts past 16 (prefills) share one record
 
 
 class ThreadGovernor:
-    """Chooses among `candidates` thread counts per row count; `explore_every` uses of a row count
-    re-time one candidate that is not the current best."""
+    """Chooses among `candidates` thread counts per row count: the first (all CPUs) until others
+    are timed; every `explore_every`-th use of a row count times one that is not the current best."""
 
     def __init__(
         self,
@@ -47,14 +47,19 @@ class ThreadGovernor:
         self.seconds: dict[tuple[int, int], float] = {}  # (row key, threads) -> smoothed seconds
         self.uses: dict[int, int] = {}  # row key -> forwards run
 
+    def seed(self, rows: int, threads: int, seconds: float) -> None:
+        """A time measured elsewhere (the start-up calibration), as if this governor had timed it."""
+        self.seconds[min(rows, _MAX_KEY), threads] = seconds
+
     def choose(self, rows: int) -> int:
         key = min(rows, _MAX_KEY)
-        untimed = [t for t in self.candidates if (key, t) not in self.seconds]
-        if untimed:
-            return untimed[0]
+        if not any((key, t) in self.seconds for t in self.candidates):
+            return self.candidates[0]  # all the CPUs until there is something to compare
         best = self._best(key)
         uses = self.uses.get(key, 0)
         if uses % self.explore_every == self.explore_every - 1:
+            # Now and then another candidate, untimed ones included: a first forward of a shape
+            # is slow (allocations), so trying the others at once would judge it on that one.
             others = [t for t in self.candidates if t != best]
             return others[(uses // self.explore_every) % len(others)] if others else best
         return best

@@ -136,6 +136,8 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)
     if not settings.torch_threads and runner.device.type == "cpu":
         runner.governor = ThreadGovernor(thread_candidates(threads), torch.set_num_threads, torch.get_num_threads)
+        for rows, seconds in enumerate(costs.seconds if costs is not None else (), start=1):
+            runner.governor.seed(rows, threads, seconds)  # measured at `threads`, warm
     info = model_info_proto(runner, source, tokenizer, role, settings.dtype, settings.device)
     if costs is not None:
         info.forward_cost_ms.extend(costs.milliseconds())

@@ -31,26 +31,26 @@ def _governor(machine, explore_every=8):
     )
 
 
-def test_it_times_each_candidate_then_keeps_the_fastest_and_explores_now_and_then():
+def test_it_starts_on_all_cpus_then_times_the_others_now_and_then_and_keeps_the_fastest():
     contended = _Machine(lambda rows, threads: 0.2 if threads == 1 else 0.78)
     used = contended.run(_governor(contended), rows=3, forwards=24)
-    assert used[:2] == [2, 1]  # each candidate timed once
-    assert used[2:7] == [1] * 5 and used.count(2) == 1 + 3  # then 1 thread, 2 re-timed every 8th use
+    assert used[:7] == [2] * 7 and used[7] == 1  # the 8th use tries 1 thread
+    assert used[8:15] == [1] * 7 and used[15] == 2 and used[16:] == [1] * 7 + [2]
     quiet = _Machine(lambda rows, threads: 0.06 if threads == 2 else 0.1)
-    assert quiet.run(_governor(quiet), rows=1, forwards=10)[2:] == [2] * 5 + [1] + [2] * 2
+    assert quiet.run(_governor(quiet), rows=1, forwards=10) == [2] * 7 + [1] + [2] * 2
 
 
-def test_row_counts_keep_separate_records_and_it_follows_the_load():
+def test_seeded_times_count_and_row_counts_keep_separate_records():
     load = {"busy": True}
-    machine = _Machine(lambda rows, threads: (0.2 if threads == 1 else 0.78) if load["busy"] else 0.06 * threads**-1)
+    machine = _Machine(lambda rows, threads: (0.2 if threads == 1 else 0.78) if load["busy"] else 0.06 / threads)
     governor = _governor(machine, explore_every=4)
-    machine.run(governor, rows=1, forwards=2)
-    assert (2, 2) not in governor.seconds and {(1, 1), (1, 2)} <= set(governor.seconds)
-    assert machine.run(governor, rows=5, forwards=6)[-1] == 1
+    governor.seed(5, 2, 0.05)  # a quiet start-up calibration
+    machine.run(governor, rows=1, forwards=4)
+    assert (1, 1) in governor.seconds and (5, 1) not in governor.seconds
+    assert machine.run(governor, rows=5, forwards=8) == [2, 2, 2, 1, 1, 1, 1, 2]  # EMA of 2 rose; 1 won
     load["busy"] = False
-    used = machine.run(governor, rows=5, forwards=16)
-    assert used[:5] == [1, 2, 2, 2, 2]  # the first re-time found 2 threads faster again
-    assert used.count(1) == 4  # and 1 thread is re-timed every 4th use from then on
+    used = machine.run(governor, rows=5, forwards=8)
+    assert used == [1, 1, 1, 2, 2, 2, 2, 1]  # re-timing found 2 threads faster again
 
 
 def test_candidates_and_bad_input():
