@@ -75,6 +75,7 @@ import workloads
 from workloads import INPUT_GROUNDED, WORKLOADS, Conversation
 
 from specdec.models.openmp_env import set_openmp_defaults
+from specdec.models.sources import DEFAULT_DRAFT as DISTILLED_DRAFT  # `model`: not stack's default draft
 
 MODES = ("grpc", "in-process")
 MODEL_DRAFTER = "model"  # the distilled draft given by --draft
@@ -607,7 +608,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
     p.add_argument(
         "--draft",
-        default=os.environ.get("SPECDEC_DRAFT_MODEL", str(stack.DEFAULT_DRAFT)),
+        default=os.environ.get("SPECDEC_DRAFT_MODEL", DISTILLED_DRAFT),
         help="the draft of the `model` drafter",
     )
     p.add_argument(

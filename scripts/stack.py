@@ -5,10 +5,10 @@
   python scripts/stack.py down   stop what `up` started
 
 Environment: SPECDEC_TARGET_MODEL / SPECDEC_DRAFT_MODEL choose the pair (default: the
-packaged SmolLM2-135M-Instruct as target, and the 2-layer hidden-state draft distilled for it
-that ships in drafts/), REDIS_URL uses an existing Redis,
-SPECDEC_DEMO_PROMPT changes the demo prompt. Other SPECDEC_* variables reach the
-services as their settings.
+packaged SmolLM2-135M-Instruct as target, and the model-free `suffix` draft over the target's
+tokenizer, the best measured configuration for a mixed workload: README "Speed, honestly"),
+REDIS_URL uses an existing Redis, SPECDEC_DEMO_PROMPT changes the demo prompt and SPECDEC_DEMO_K
+its K (default: auto). Other SPECDEC_* variables reach the services as their settings.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec.local_redis import free_port, start_redis, wait_for_redis  # noqa: E402
-from specdec.models.sources import DEFAULT_DRAFT as DEFAULT_DRAFT_SPEC  # noqa: E402
 from specdec.models.sources import DEFAULT_MODEL  # noqa: E402
 
 RUN_DIR = ROOT / ".run"
@@ -38,10 +37,10 @@ DRAFT_PORT = int(os.environ.get("SPECDEC_DRAFT_PORT", "50052"))
 TARGET_PORT = int(os.environ.get("SPECDEC_TARGET_PORT", "50053"))
 DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences why the sky is blue.")
 DEFAULT_TARGET = DEFAULT_MODEL
-# Distilled with `specdec distill` for DEFAULT_TARGET (see docs/drafts.md and its MODEL_CARD.md):
-# 2 layers that also read the target's hidden states (acceptance 0.31 vs 0.26 for the tokens-only
-# drafts/smollm2-135m-instruct-2l it was continued from, at the same cost per step).
-DEFAULT_DRAFT = Path(DEFAULT_DRAFT_SPEC)
+# Model-free, so it serves any target that shares its tokenizer; in `make bench` on this CPU it beat
+# the distilled model drafts (drafts/, docs/drafts.md) and ngram on every workload with auto K.
+DEFAULT_DRAFT = "suffix"
+MODEL_FREE_DRAFTS = ("ngram", "suffix")
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -85,7 +84,8 @@ def up() -> dict:
         wait_for_redis(redis_url)
         print(f"  {'redis':<12} {redis_url}")
         target_model = env.setdefault("SPECDEC_TARGET_MODEL", DEFAULT_TARGET)
-        env.setdefault("SPECDEC_DRAFT_MODEL", str(DEFAULT_DRAFT) if target_model == DEFAULT_TARGET else target_model)
+        if env.setdefault("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT) in MODEL_FREE_DRAFTS:
+            env.setdefault("SPECDEC_DRAFT_TOKENIZER", target_model)  # its Info: the target's vocabulary
         env.setdefault("SPECDEC_COORDINATOR_TOKENIZER", target_model)
         env["SPECDEC_COORDINATOR_REDIS_URL"] = redis_url
         env["SPECDEC_COORDINATOR_DRAFT_ADDRESS"] = f"127.0.0.1:{DRAFT_PORT}"
@@ -145,7 +145,9 @@ def run() -> int:
 
         print(f"\nprompt: {DEMO_PROMPT}\n")
         argv = ["generate", DEMO_PROMPT, "--address", state["coordinator"], "--chat", "--max-new-tokens", "64"]
-        argv += ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0", "-k", os.environ.get("SPECDEC_DEMO_K", "2")]
+        argv += ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]
+        if os.environ.get("SPECDEC_DEMO_K"):  # unset: the coordinator's default, auto K
+            argv += ["-k", os.environ["SPECDEC_DEMO_K"]]
         return cli(argv)
     finally:
         print()
