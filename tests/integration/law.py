@@ -148,3 +148,33 @@ def sample_counts(
         done += n
         call += 1
     return counts, drafted, accepted, recovered
+
+
+T1 = Sampling(1.0)
+
+
+def assert_draft_follows_law(
+    stub,
+    model,
+    name: str,
+    prompt: list[int],
+    length: int,
+    k: int,
+    seed: int,
+    total: int = 14_000,
+    significance: float = 0.001,
+    sampling: Sampling = T1,
+) -> LawFit:
+    """The pipeline's first `length` tokens against the target's exact law (chi-square at
+    `significance`, enough samples to see a TV of 0.05 at power 0.9), for a draft that must have
+    proposed tokens, some accepted and more than a tenth of the samples rejected: a law test in
+    which no proposal is examined would pass for any drafter."""
+    law = exact_sequence_law(model, prompt, length, sampling)
+    counts, drafted, accepted, recovered = sample_counts(
+        stub, prompt, length, k, sampling, total, max_new_tokens=length, seed=seed
+    )
+    fit = fit_to_law(name, counts, law, significance, drafted, accepted, recovered)
+    assert total >= fit.needed, fit.summary  # the experiment can see what it rules out
+    assert drafted > 0 and accepted > 0 and recovered > total * 0.1, fit.summary
+    assert fit.p_value > significance, fit.summary
+    return fit
