@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from draft_service.settings import MODEL_FREE, SUFFIX_MODEL  # noqa: E402
 from specdec.local_redis import free_port, start_redis, wait_for_redis  # noqa: E402
 from specdec.models.sources import DEFAULT_MODEL  # noqa: E402
 
@@ -39,8 +40,7 @@ DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences wh
 DEFAULT_TARGET = DEFAULT_MODEL
 # Model-free, so it serves any target that shares its tokenizer; in `make bench` on this CPU it beat
 # the distilled model drafts (drafts/, docs/drafts.md) and ngram on every workload with auto K.
-DEFAULT_DRAFT = "suffix"
-MODEL_FREE_DRAFTS = ("ngram", "suffix")
+DEFAULT_DRAFT = SUFFIX_MODEL
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -84,7 +84,7 @@ def up() -> dict:
         wait_for_redis(redis_url)
         print(f"  {'redis':<12} {redis_url}")
         target_model = env.setdefault("SPECDEC_TARGET_MODEL", DEFAULT_TARGET)
-        if env.setdefault("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT) in MODEL_FREE_DRAFTS:
+        if env.setdefault("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT) in MODEL_FREE:
             env.setdefault("SPECDEC_DRAFT_TOKENIZER", target_model)  # its Info: the target's vocabulary
         env.setdefault("SPECDEC_COORDINATOR_TOKENIZER", target_model)
         env["SPECDEC_COORDINATOR_REDIS_URL"] = redis_url
