@@ -25,11 +25,46 @@ class CoordinatorSettings:
     redis_url: str = setting("redis://localhost:6379/0", "REDIS_URL", "Redis holding the sessions")
     tokenizer: str = setting("smollm2-135m-instruct", "TOKENIZER", "the target's tokenizer: same forms as a model spec")
     session_ttl_s: int = setting(86400, "SESSION_TTL_S", "seconds a session lives after its last update")
-    session_lock_ttl_s: int = setting(60, "SESSION_LOCK_TTL_S", "lease of a session lock, renewed every round")
+    session_lock_ttl_s: int = setting(
+        10, "SESSION_LOCK_TTL_S", "lease of a session lock: renewed every third of it while a call runs, released on exit"
+    )
     session_key_prefix: str = setting("specdec:v1", "SESSION_KEY_PREFIX", "Redis key prefix")
-    draft_timeout_s: float = setting(30.0, "DRAFT_TIMEOUT_S", "deadline of one Propose call")
-    verify_timeout_s: float = setting(60.0, "VERIFY_TIMEOUT_S", "deadline of one Verify call")
-    info_timeout_s: float = setting(10.0, "INFO_TIMEOUT_S", "deadline of one Info call")
+    # Per call, much shorter than a request's: a hung replica costs one timeout, then the call is
+    # retried on another (Propose and Verify are pure functions of the request).
+    draft_timeout_s: float = setting(5.0, "DRAFT_TIMEOUT_S", "deadline of one Propose attempt")
+    verify_timeout_s: float = setting(20.0, "VERIFY_TIMEOUT_S", "deadline of one Verify attempt")
+    info_timeout_s: float = setting(5.0, "INFO_TIMEOUT_S", "deadline of one Info call")
+    call_attempts: int = setting(
+        3, "CALL_ATTEMPTS", "attempts of one Propose / Verify after UNAVAILABLE, a timeout or a pod at capacity"
+    )
+    keepalive_s: float = setting(10.0, "KEEPALIVE_S", "HTTP/2 keepalive ping interval on pool channels (0 = off)")
+    draft_backoff_s: float = setting(
+        30.0,
+        "DRAFT_BACKOFF_S",
+        "after a failed Propose, rounds run at K=0 (still lossless) for this long before the draft is tried again",
+    )
+    pool_info_refresh_s: float = setting(
+        60.0, "POOL_INFO_REFRESH_S", "seconds between refreshes of the pools' ModelInfo (in the background)"
+    )
+    # TLS: a server certificate turns it on (files re-read when they change, as cert-manager
+    # rotates them); empty keeps plaintext, which only `make run` and tests use.
+    tls_cert_file: str = setting("", "TLS_CERT_FILE", "PEM certificate chain of this server (empty = plaintext)")
+    tls_key_file: str = setting("", "TLS_KEY_FILE", "PEM private key of tls_cert_file")
+    tls_client_ca_file: str = setting(
+        "", "TLS_CLIENT_CA_FILE", "require client certificates signed by this CA (mutual TLS; empty = not required)"
+    )
+    pool_tls_ca_file: str = setting(
+        "", "POOL_TLS_CA_FILE", "CA of the draft and target pools' certificates (set = TLS to the pools)"
+    )
+    pool_tls_cert_file: str = setting(
+        "", "POOL_TLS_CERT_FILE", "client certificate shown to the pools (mutual TLS; empty = none)"
+    )
+    pool_tls_key_file: str = setting("", "POOL_TLS_KEY_FILE", "PEM private key of pool_tls_cert_file")
+    api_keys_file: str = setting(
+        "",
+        "API_KEYS_FILE",
+        "one 'key [tenant]' per line; calls need 'authorization: Bearer <key>' (empty = no authentication)",
+    )
     # "auto": each request chooses K per round from its own measured acceptance and costs
     # (specdec/core/kpolicy.py), up to max K; an integer string fixes it (README "Configuration").
     default_num_speculative_tokens: str = setting(
@@ -40,14 +75,29 @@ class CoordinatorSettings:
         128, "DEFAULT_MAX_NEW_TOKENS", "max_new_tokens when a request does not set it"
     )
     max_new_tokens_limit: int = setting(4096, "MAX_NEW_TOKENS_LIMIT", "largest max_new_tokens accepted")
-    max_num_samples: int = setting(1024, "MAX_NUM_SAMPLES", "largest num_samples accepted")
-    sample_batch_size: int = setting(1024, "SAMPLE_BATCH_SIZE", "samples sent to the models in one batch")
+    max_num_samples: int = setting(256, "MAX_NUM_SAMPLES", "largest num_samples accepted")
+    # A batch is one Propose / Verify: bounded so that no single call holds a pool for long.
+    sample_batch_size: int = setting(32, "SAMPLE_BATCH_SIZE", "samples sent to the models in one batch")
+    max_prompt_bytes: int = setting(
+        1 << 20, "MAX_PROMPT_BYTES", "largest prompt, UTF-8 bytes (or 4 per prompt token id), checked before tokenising"
+    )
+    max_stop_strings: int = setting(16, "MAX_STOP_STRINGS", "most stop strings in a request")
+    max_stop_bytes: int = setting(256, "MAX_STOP_BYTES", "longest stop string, UTF-8 bytes")
+    max_request_tokens: int = setting(
+        262144,
+        "MAX_REQUEST_TOKENS",
+        "most work in one request: num_samples x (context tokens + max_new_tokens)",
+    )
     max_workers: int = setting(32, "MAX_WORKERS", "gRPC worker threads")
+    # Each admitted request keeps at most one call in flight per pool, so a pod that admits at
+    # least this many (the model services' default is 24) never refuses one coordinator's calls.
     max_concurrent_requests: int = setting(
-        28, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
+        12, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
     )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
-    grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
+    grace_s: float = setting(
+        30.0, "GRACE_S", "on SIGTERM: seconds in-flight streams may run to completion before they are cancelled"
+    )
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
 
     def default_k(self) -> int | None:
@@ -78,3 +128,15 @@ class CoordinatorSettings:
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
         if self.sample_batch_size < 1 or self.max_num_samples < 1:
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")
+        limits = ("max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_request_tokens", "call_attempts")
+        for name in limits:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if bool(self.pool_tls_cert_file) != bool(self.pool_tls_key_file):
+            raise ValueError("pool_tls_cert_file and pool_tls_key_file go together")
+        if self.pool_tls_cert_file and not self.pool_tls_ca_file:
+            raise ValueError("a client certificate for the pools (pool_tls_cert_file) needs pool_tls_ca_file")

@@ -38,9 +38,11 @@ class ModelServerSettings:
     cache_max_tokens: int = setting(32768, "CACHE_MAX_TOKENS", "KV cache: most tokens kept over all sessions")
     max_draft_tokens: int = setting(32, "MAX_DRAFT_TOKENS", "largest K accepted per request")
     max_batch_sequences: int = setting(8192, "MAX_BATCH_SEQUENCES", "most sequences in one request")
-    max_workers: int = setting(16, "MAX_WORKERS", "gRPC worker threads")
+    max_workers: int = setting(32, "MAX_WORKERS", "gRPC worker threads")
+    # Forwards run one at a time on the model thread; admitted calls queue for it. At least the
+    # coordinator's MAX_CONCURRENT_REQUESTS, so one coordinator's running streams are never refused.
     max_concurrent_requests: int = setting(
-        12, "MAX_CONCURRENT_REQUESTS", "calls admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
+        24, "MAX_CONCURRENT_REQUESTS", "calls admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
     )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
     max_connection_age_s: float = setting(
@@ -58,6 +60,11 @@ class ModelServerSettings:
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
     )
+    tls_cert_file: str = setting("", "TLS_CERT_FILE", "PEM certificate chain of this server (empty = plaintext)")
+    tls_key_file: str = setting("", "TLS_KEY_FILE", "PEM private key of tls_cert_file")
+    tls_client_ca_file: str = setting(
+        "", "TLS_CLIENT_CA_FILE", "require client certificates signed by this CA (mutual TLS; empty = not required)"
+    )
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
 
@@ -72,6 +79,10 @@ class ModelServerSettings:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
 
 
 def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: str) -> common_pb2.ModelInfo:
