@@ -99,11 +99,20 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     store = SessionStore.from_url(
         settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s
     )
+    pool_options = {"credentials": None, "attempts": settings.call_attempts, "keepalive_s": settings.keepalive_s}
     draft = DraftClient(
-        settings.draft_address, settings.draft_timeout_s, settings.info_timeout_s, settings.max_message_mb
+        settings.draft_address,
+        settings.draft_timeout_s,
+        settings.info_timeout_s,
+        settings.max_message_mb,
+        **pool_options,
     )
     target = TargetClient(
-        settings.target_address, settings.verify_timeout_s, settings.info_timeout_s, settings.max_message_mb
+        settings.target_address,
+        settings.verify_timeout_s,
+        settings.info_timeout_s,
+        settings.max_message_mb,
+        **pool_options,
     )
     servicer = CoordinatorServicer(settings, store, draft, target, tokenizer)
     grpc_server = build_grpc_server(

@@ -53,9 +53,16 @@ def channel_target(address: str) -> str:
     return f"{scheme}:{','.join(p.replace('localhost', '127.0.0.1') for p in parts)}"
 
 
-def open_channel(address: str, max_message_mb: int) -> grpc.Channel:
+def open_channel(
+    address: str, max_message_mb: int, credentials: grpc.ChannelCredentials | None = None, keepalive_s: float = 0.0
+) -> grpc.Channel:
+    """A channel to a pool; TLS with `credentials` (specdec.rpc.tls), keepalive pings every `keepalive_s`."""
     options = [*grpc_message_options(max_message_mb), ("grpc.service_config", _SERVICE_CONFIG)]
-    return grpc.insecure_channel(channel_target(address), options=options)
+    if keepalive_s > 0:
+        options += [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), ("grpc.keepalive_permit_without_calls", 1)]
+    if credentials is None:
+        return grpc.insecure_channel(channel_target(address), options=options)
+    return grpc.secure_channel(channel_target(address), credentials, options=options)
 
 
 def _mapped(service: str, address: str, exc: grpc.RpcError) -> ServiceError:
@@ -77,11 +84,21 @@ class ModelClient:
     """One pool (draft or target): a channel, the call deadline and the pool's ModelInfo."""
 
     def __init__(
-        self, role: str, address: str, stub, call_timeout_s: float, info_timeout_s: float, max_message_mb: int
+        self,
+        role: str,
+        address: str,
+        stub,
+        call_timeout_s: float,
+        info_timeout_s: float,
+        max_message_mb: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        attempts: int = 3,
+        keepalive_s: float = 0.0,
     ):
         self.role = role
         self.address = address
-        self.channel = open_channel(address, max_message_mb)
+        self.attempts = attempts
+        self.channel = open_channel(address, max_message_mb, credentials, keepalive_s)
         self.stub = stub(self.channel)
         self.call_timeout_s = call_timeout_s
         self.info_timeout_s = info_timeout_s
@@ -109,9 +126,9 @@ class DraftClient(ModelClient):
     # only new ones, and gets HiddenStatesMiss when this call's replica does not hold the rest.
     keeps_hidden_states = True
 
-    def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
+    def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int, **options):
         super().__init__(
-            "draft", address, draft_pb2_grpc.DraftServiceStub, call_timeout_s, info_timeout_s, max_message_mb
+            "draft", address, draft_pb2_grpc.DraftServiceStub, call_timeout_s, info_timeout_s, max_message_mb, **options
         )
 
     def propose(self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
@@ -125,9 +142,15 @@ class DraftClient(ModelClient):
 class TargetClient(ModelClient):
     """The target pool as the engine's Verifier."""
 
-    def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int):
+    def __init__(self, address: str, call_timeout_s: float, info_timeout_s: float, max_message_mb: int, **options):
         super().__init__(
-            "target", address, target_pb2_grpc.TargetServiceStub, call_timeout_s, info_timeout_s, max_message_mb
+            "target",
+            address,
+            target_pb2_grpc.TargetServiceStub,
+            call_timeout_s,
+            info_timeout_s,
+            max_message_mb,
+            **options,
         )
 
     def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
