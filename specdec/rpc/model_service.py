@@ -15,6 +15,7 @@ from specdec.core.errors import InvalidArgument, Unavailable
 from specdec.models.layouts import AUTO, LAYOUTS
 from specdec.rpc.metrics import Registry
 from specdec.rpc.server import GrpcServer, build_grpc_server
+from specdec.rpc.tls import TlsFiles
 from specdec.settings import setting
 from specdec.v1 import common_pb2
 
@@ -216,6 +217,7 @@ def start_model_server(
         metrics_port=settings.metrics_port,
         max_connection_age_s=settings.max_connection_age_s,
         max_concurrent_requests=settings.max_concurrent_requests,
+        tls=TlsFiles.from_settings(settings),
     )
     grpc_server.server.start()
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.rpc.metrics import MetricsInterceptor, Registry, serve_metrics
+from specdec.rpc.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,13 @@ def build_grpc_server(
     registry: Registry | None = None,
     max_connection_age_s: float = 0.0,
     max_concurrent_requests: int = 0,
+    tls: TlsFiles | None = None,
 ) -> GrpcServer:
     """A ready-to-start server with health (NOT_SERVING until `set_serving`), reflection and metrics.
 
     Binds host:port; port 0 picks a free one (tests). metrics_port: -1 = no
-    /metrics endpoint, 0 = any free port. Raises RuntimeError if binding fails.
+    /metrics endpoint, 0 = any free port. `tls`: serve TLS (certificate files re-read when they
+    change; mutual TLS with a client CA), None = plaintext. Raises RuntimeError if binding fails.
     """
     registry = registry or Registry()
     server = grpc.server(
@@ -85,7 +88,7 @@ def build_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = _add_port(server, f"{host}:{port}", tls, metrics_label)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     metrics_bound = None
@@ -94,6 +97,15 @@ def build_grpc_server(
     result = GrpcServer(server, bound, health_servicer, names, registry, metrics_bound)
     result.set_serving(False)
     return result
+
+
+def _add_port(server: grpc.Server, address: str, tls: TlsFiles | None, label: str) -> int:
+    if tls is None:
+        log.warning("%s serves plaintext gRPC on %s (no TLS certificate configured)", label, address)
+        return server.add_insecure_port(address)
+    mode = "mutual TLS" if tls.client_ca_file else "TLS"
+    log.info("%s serves %s on %s with %s", label, mode, address, tls.cert_file)
+    return server.add_secure_port(address, server_credentials(tls))
 
 
 def serve_until_signal(grpc_server: GrpcServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> int:
