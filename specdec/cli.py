@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -23,19 +22,69 @@ def format_stats(stats, finish_reason: int, session_id: str, seed: int) -> str:
             f"session            {session_id or '-'}   (seed {seed})",
             f"tokens             {stats.prompt_tokens} prompt, {stats.generated_tokens} generated",
             f"rounds             {stats.rounds}   ({stats.mean_tokens_per_round:.2f} tokens/round)",
-            f"drafted/accepted   {stats.drafted_tokens}/{stats.accepted_tokens}"
-            f"   (acceptance rate {stats.acceptance_rate:.3f})",
-            f"time               {stats.total_time_s:.3f}s: draft {stats.draft_time_s:.3f}s, "
-            f"verify {stats.verify_time_s:.3f}s, coordinator {stats.coordinator_time_s:.3f}s",
+            (
+                f"drafted/accepted   {stats.drafted_tokens}/{stats.accepted_tokens}"
+                f"   (acceptance rate {stats.acceptance_rate:.3f})"
+            ),
+            (
+                f"time               {stats.total_time_s:.3f}s: draft {stats.draft_time_s:.3f}s, "
+                f"verify {stats.verify_time_s:.3f}s, coordinator {stats.coordinator_time_s:.3f}s"
+            ),
             f"throughput         {stats.tokens_per_second:.2f} tokens/s",
         ]
+    )
+
+
+def _client(args: argparse.Namespace) -> SpecdecClient:
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise SystemExit("error: --tls-cert-file and --tls-key-file go together")
+    return SpecdecClient(
+        args.address,
+        timeout_s=args.timeout,
+        api_key=args.api_key,
+        tls=args.tls,
+        tls_ca_file=args.tls_ca_file,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+    )
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Where the coordinator is and how to reach it: flags, or SPECDEC_* env vars."""
+    env = os.environ.get
+    parser.add_argument("--address", default=env("SPECDEC_ADDRESS", "localhost:50051"))
+    parser.add_argument(
+        "--api-key",
+        default=env("SPECDEC_API_KEY", ""),
+        help="sent as 'authorization: Bearer <key>' (default SPECDEC_API_KEY, which keeps it out of `ps`)",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=env("SPECDEC_TLS", "").lower() in ("1", "true", "yes"),
+        help="TLS, verifying the coordinator against the system's roots (default SPECDEC_TLS)",
+    )
+    parser.add_argument(
+        "--tls-ca-file",
+        default=env("SPECDEC_TLS_CA_FILE", ""),
+        help="TLS, verifying the coordinator against this CA (default SPECDEC_TLS_CA_FILE)",
+    )
+    parser.add_argument(
+        "--tls-cert-file",
+        default=env("SPECDEC_TLS_CERT_FILE", ""),
+        help="client certificate for mutual TLS (default SPECDEC_TLS_CERT_FILE)",
+    )
+    parser.add_argument(
+        "--tls-key-file",
+        default=env("SPECDEC_TLS_KEY_FILE", ""),
+        help="private key of --tls-cert-file (default SPECDEC_TLS_KEY_FILE)",
     )
 
 
 def _chunks(args: argparse.Namespace, kwargs: dict, stack: ExitStack) -> Iterator:
     """GenerateChunks from the coordinator, or from the pipeline loaded in this process."""
     if not args.in_process:
-        client = stack.enter_context(SpecdecClient(args.address, timeout_s=args.timeout))
+        client = stack.enter_context(_client(args))
         return client.stream(args.prompt, **kwargs)
     if args.session:
         raise SystemExit("error: --session needs the coordinator (sessions live in its Redis), not --in-process")
@@ -52,18 +101,18 @@ def _chunks(args: argparse.Namespace, kwargs: dict, stack: ExitStack) -> Iterato
 
 
 def _generate(args: argparse.Namespace) -> int:
-    kwargs = dict(
-        session_id=args.session or "",
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        num_speculative_tokens=args.k,
-        stop=args.stop or (),
-        ignore_eos=args.ignore_eos,
-        chat=args.chat,
-    )
+    kwargs = {
+        "session_id": args.session or "",
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "num_speculative_tokens": args.k,
+        "stop": args.stop or (),
+        "ignore_eos": args.ignore_eos,
+        "chat": args.chat,
+    }
     with ExitStack() as stack:
         last = None
         for chunk in _chunks(args, kwargs, stack):
@@ -79,7 +128,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _session(args: argparse.Namespace) -> int:
-    with SpecdecClient(args.address, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         if args.action == "delete":
             print("deleted" if client.delete_session(args.session_id) else "no such session")
             return 0
@@ -94,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion from a coordinator")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
+    add_connection_args(gen)
     gen.add_argument("--session", help="continue this session id")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -125,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     session = sub.add_parser("session", help="show or delete a stored session")
     session.add_argument("action", choices=["show", "delete"])
     session.add_argument("session_id")
-    session.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
+    add_connection_args(session)
     session.add_argument("--timeout", type=float, default=30.0)
     session.set_defaults(func=_session)
     # distill / eval-draft live with the training code; their heavy imports load on use.
@@ -141,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a TLS file that cannot be read
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     except ServiceError as exc:  # --in-process: the same errors, without a server to turn them into statuses
         print(f"\nerror: {exc.code}: {exc}", file=sys.stderr)

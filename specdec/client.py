@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Self
 
 import grpc
 
+from specdec.rpc.tls import channel_credentials
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 FINISH_REASONS = {
@@ -56,20 +58,39 @@ def build_request(
 class SpecdecClient:
     """Generate / stream / manage sessions on a coordinator.
 
+    TLS when `tls` is set or a CA file is given (`tls_ca_file`: the CA of the coordinator's
+    certificate, empty = the system's roots; `tls_cert_file` + `tls_key_file`: a client certificate
+    for mutual TLS). `api_key` is sent as `authorization: Bearer <key>` on every call.
+
     >>> with SpecdecClient("localhost:50051") as client:
     ...     response = client.generate("Hello", max_new_tokens=16, seed=1)
     ...     print(response.completions[0].text)
     """
 
-    def __init__(self, address: str = "localhost:50051", timeout_s: float | None = 600.0, max_message_mb: int = 256):
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        timeout_s: float | None = 600.0,
+        max_message_mb: int = 256,
+        *,
+        api_key: str = "",
+        tls: bool = False,
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+    ):
         size = max_message_mb * 1024 * 1024
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
-        )
+        options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        if tls or tls_ca_file or tls_cert_file:
+            credentials = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
-    def __enter__(self) -> SpecdecClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -81,15 +102,17 @@ class SpecdecClient:
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
 
+    def _call(self, method, request):
+        return method(request, timeout=self.timeout_s, metadata=self.metadata)
+
     def generate(self, prompt: str | Sequence[int], **kwargs) -> coordinator_pb2.GenerateResponse:
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        return self._call(self.stub.Generate, build_request(prompt, **kwargs))
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[coordinator_pb2.GenerateChunk]:
-        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        return self._call(self.stub.GenerateStream, build_request(prompt, **kwargs))
 
     def get_session(self, session_id: str) -> coordinator_pb2.Session:
-        return self.stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
+        return self._call(self.stub.GetSession, coordinator_pb2.GetSessionRequest(session_id=session_id))
 
     def delete_session(self, session_id: str) -> bool:
-        request = coordinator_pb2.DeleteSessionRequest(session_id=session_id)
-        return self.stub.DeleteSession(request, timeout=self.timeout_s).deleted
+        return self._call(self.stub.DeleteSession, coordinator_pb2.DeleteSessionRequest(session_id=session_id)).deleted

@@ -15,17 +15,32 @@ class Stack:
     redis_url: str
     servers: list
     settings: object
+    # TLS to the coordinator (None = plaintext), for `channel`.
+    credentials: grpc.ChannelCredentials | None = None
 
     def channel(self) -> grpc.Channel:
         size = 256 * 1024 * 1024
-        return grpc.insecure_channel(
-            self.coordinator_address,
-            options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)],
-        )
+        options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        if self.credentials is not None:
+            return grpc.secure_channel(self.coordinator_address, self.credentials, options=options)
+        return grpc.insecure_channel(self.coordinator_address, options=options)
 
 
-def start_stack(loaded, tokenizer_dir: str, redis_url: str, draft_loaded=None, **coordinator_overrides) -> Stack:
-    """Draft, target and coordinator as real gRPC servers on free loopback ports."""
+def start_stack(
+    loaded,
+    tokenizer_dir: str,
+    redis_url: str,
+    draft_loaded=None,
+    model_tls: dict | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    **coordinator_overrides,
+) -> Stack:
+    """Draft, target and coordinator as real gRPC servers on free loopback ports.
+
+    `model_tls`: the draft's and target's tls_* settings; TLS to the coordinator is its own
+    tls_* settings (in `coordinator_overrides`), and `credentials` are what `Stack.channel` shows it.
+    """
+    model_tls = model_tls or {}
     from coordinator.server import create_server as create_coordinator
     from coordinator.settings import CoordinatorSettings
     from draft_service.server import create_server as create_draft
@@ -36,10 +51,11 @@ def start_stack(loaded, tokenizer_dir: str, redis_url: str, draft_loaded=None, *
     from target_service.settings import TargetSettings
 
     draft_server, draft_port = create_draft(
-        load_settings(DraftSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0), draft_loaded or loaded["draft"]
+        load_settings(DraftSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0, **model_tls),
+        draft_loaded or loaded["draft"],
     )
     target_server, target_port = create_target(
-        load_settings(TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0), loaded["target"]
+        load_settings(TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0, **model_tls), loaded["target"]
     )
     overrides = dict(
         host="127.0.0.1",
@@ -62,6 +78,7 @@ def start_stack(loaded, tokenizer_dir: str, redis_url: str, draft_loaded=None, *
         redis_url,
         [coordinator_server, draft_server, target_server],
         settings,
+        credentials,
     )
 
 

@@ -56,8 +56,13 @@ class Authority:
         return Pair(str(cert), str(key))
 
 
-def serial_of(cert_pem: bytes) -> int:
-    out = subprocess.run(
-        ["openssl", "x509", "-noout", "-serial"], input=cert_pem, check=True, capture_output=True, timeout=60
-    )
-    return int(out.stdout.decode().strip().split("=", 1)[1], 16)
+def make_pki(root: Path) -> dict:
+    """Two CAs; a server certificate, a client certificate, and a client certificate of the other CA."""
+    ca, other = Authority.create(root, "ca"), Authority.create(root, "other-ca")
+    return {
+        "ca": ca,
+        "other": other,
+        "server": ca.issue("server"),
+        "client": ca.issue("client", "clientAuth"),
+        "stranger": other.issue("stranger", "clientAuth"),
+    }

@@ -10,7 +10,7 @@ import ssl
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tls_certs import Authority
+from tls_certs import make_pki
 
 from specdec.rpc.server import build_grpc_server
 from specdec.rpc.tls import ServerCertificateFiles, TlsFiles, channel_credentials, redact_url
@@ -21,15 +21,7 @@ _OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki")
-    ca, other = Authority.create(root, "ca"), Authority.create(root, "other-ca")
-    return {
-        "ca": ca,
-        "other": other,
-        "server": ca.issue("server"),
-        "client": ca.issue("client", "clientAuth"),
-        "stranger": other.issue("stranger", "clientAuth"),
-    }
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def serve(tls: TlsFiles):
