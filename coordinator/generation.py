@@ -8,14 +8,15 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.pools import PoolInfo
 from coordinator.requests import RequestParams, prompt_token_ids, validate_request
-from coordinator.sessions import SessionLease, SessionStore
+from coordinator.resume import check_resume_request, generation_record, resumable_tokens, resumed
+from coordinator.sessions import SessionLease, SessionRecord, SessionStore
 from coordinator.settings import CoordinatorSettings
 from specdec.core.engine import GenerationSpec, RoundEvent, Sample, SpeculativeEngine, Stats, batches, new_samples
-from specdec.core.errors import FailedPrecondition, InvalidArgument
+from specdec.core.errors import FailedPrecondition, InvalidArgument, ServiceError
 from specdec.core.protocols import Deadline
 from specdec.core.text import TextStream
 from specdec.rpc.wire import stats_to_proto
@@ -32,6 +33,9 @@ class Generation:
     deadline: Deadline
     session_id: str  # "" for num_samples > 1 and in-process calls
     lease: SessionLease | None
+    first_round: int = 0  # a resumed generation continues its seeded stream of rounds here
+    resumed_tokens: int = 0  # tokens a resumed generation had sent before this call
+    saved: bool = False  # the session has been stored (a new one exists only from its first save)
 
 
 class Generator:
@@ -50,33 +54,54 @@ class Generator:
         self.store = store  # None: no sessions (in-process)
         self.on_finish: Callable[[Stats, int], None] = lambda stats, generated: None
 
-    def _session(self, request, params: RequestParams, stack: ExitStack) -> tuple[str, SessionLease | None, list[int]]:
-        """(session id, lease, stored history) for this call; a new session unless it continues one."""
+    def _session(
+        self, request, num_samples: int, tenant: str, stack: ExitStack
+    ) -> tuple[str, SessionLease | None, SessionRecord | None]:
+        """(session id, lease, stored record) for this call; a new session unless it continues one."""
         if self.store is None:
             if request.session_id:
                 raise InvalidArgument("sessions need the coordinator's Redis; this generator has none")
-            return "", None, []
+            return "", None, None
         if request.session_id:
-            lease = stack.enter_context(self.store.lease(request.session_id))
+            self.store.get(request.session_id, tenant)  # another tenant's session: NOT_FOUND, not busy
+            lease = stack.enter_context(self.store.lease(request.session_id, tenant))
             # Read under the lease: NOT_FOUND releases it, and no other call can change it now.
-            return request.session_id, lease, self.store.get(request.session_id).token_ids
-        if params.num_samples > 1:
-            return "", None, []
+            return request.session_id, lease, self.store.get(request.session_id, tenant)
+        if num_samples > 1:
+            return "", None, None
         session_id = self.store.new_session_id()
-        return session_id, stack.enter_context(self.store.lease(session_id)), []
+        return session_id, stack.enter_context(self.store.lease(session_id, tenant)), None
 
-    def start(self, request, deadline: Deadline, streaming: bool, stack: ExitStack) -> Generation:
+    def start(self, request, deadline: Deadline, streaming: bool, stack: ExitStack, tenant: str = "") -> Generation:
+        if request.resume:
+            return self._resume(request, deadline, stack, tenant)
         params = validate_request(request, self.settings, streaming)
         pools = self.pool_info(deadline, params.num_speculative_tokens > 0)
         if params.num_speculative_tokens > 0 and pools.compatible_error:
             raise FailedPrecondition(pools.compatible_error)
-        session_id, lease, history = self._session(request, params, stack)
+        session_id, lease, record = self._session(request, params.num_samples, tenant, stack)
+        history = record.token_ids if record is not None else []
         prompt = prompt_token_ids(self.tokenizer, request, bool(history), pools.target.vocab_size)
         if not prompt and not history:
             raise InvalidArgument("the prompt is empty")
         spec = self._spec(request, params, pools, history + prompt, session_id)
         samples = new_samples(spec)
         return Generation(spec, samples, Stats(prompt_tokens=len(prompt)), deadline, session_id, lease)
+
+    def _resume(self, request, deadline: Deadline, stack: ExitStack, tenant: str) -> Generation:
+        """The interrupted generation of `request.session_id`, from where it last saved."""
+        check_resume_request(request)
+        session_id, lease, record = self._session(request, 1, tenant, stack)
+        left = resumable_tokens(record.generation)
+        pools = self.pool_info(deadline, left > 0 and record.generation["k"] > 0)
+        fresh = coordinator_pb2.GenerateRequest(max_new_tokens=1, num_speculative_tokens=0, seed=0)
+        base = self._spec(fresh, validate_request(fresh, self.settings, False), pools, record.token_ids, session_id)
+        spec, sample, first_round = resumed(record.generation, record.token_ids, base)
+        if spec.num_speculative_tokens > 0 and pools.compatible_error:
+            spec = replace(spec, num_speculative_tokens=0, auto_k=False)  # still the same law
+        spec = replace(spec, max_draft_context=pools.draft.max_position_embeddings if pools.draft else 0)
+        stats = Stats()
+        return Generation(spec, [sample], stats, deadline, session_id, lease, first_round, len(sample.generated))
 
     def _spec(
         self, request, params: RequestParams, pools: PoolInfo, context_ids: list[int], session_id: str
@@ -105,29 +130,36 @@ class Generator:
             sample_batch_size=self.settings.sample_batch_size,
         )
 
-    def rounds(self, gen: Generation, is_active: Callable[[], bool]) -> Iterator[RoundEvent]:
-        """Run the engine over the samples in batches; saves the session after every round."""
+    def rounds(self, gen: Generation, is_active: Callable[[], bool], streaming: bool) -> Iterator[RoundEvent]:
+        """Run the engine over the samples in batches.
+
+        A stream saves its session after each round has been handed to the client, never
+        before: Redis holds no token the client was not sent, and a cut-off stream leaves a
+        record that `resume` finishes. A unary call saves once, when it is done: it leaves the
+        session as it was unless it returns (retrying it is its resume)."""
         for batch in batches(gen.samples, gen.spec.sample_batch_size):
-            for event in self.engine.run(gen.spec, batch, gen.stats, gen.deadline):
-                if gen.lease is not None:
-                    gen.lease.save(batch[0].context)
-                yield event
+            events = self.engine.run(gen.spec, batch, gen.stats, gen.deadline, gen.first_round)
+            for event in events:
+                yield event  # a stream is resumed here only once gRPC has sent the round's chunk
+                if gen.lease is not None and streaming:
+                    (sample,) = batch
+                    gen.lease.save(sample.context, generation_record(gen.spec, sample, event.round_index + 1))
+                    gen.saved = True
                 if not is_active():
                     return
 
-    def generate(self, request, deadline: Deadline, is_active: Callable[[], bool]) -> coordinator_pb2.GenerateResponse:
+    def generate(
+        self, request, deadline: Deadline, is_active: Callable[[], bool], tenant: str = ""
+    ) -> coordinator_pb2.GenerateResponse:
         with ExitStack() as stack:
-            gen = self.start(request, deadline, False, stack)
-            for _ in self.rounds(gen, is_active):
+            gen = self.start(request, deadline, False, stack, tenant)
+            for _ in self.rounds(gen, is_active, streaming=False):
                 pass
-            generated = sum(len(s.generated) for s in gen.samples)
+            if gen.lease is not None and is_active():
+                gen.lease.save(gen.samples[0].context)
+            generated = sum(len(s.generated) for s in gen.samples) - gen.resumed_tokens
             self.on_finish(gen.stats, generated)
-            completions = [
-                coordinator_pb2.Completion(
-                    text=self.engine.text_of(s), token_ids=s.generated, finish_reason=s.finish_reason
-                )
-                for s in gen.samples
-            ]
+            completions = [self._completion(gen, s) for s in gen.samples]
             return coordinator_pb2.GenerateResponse(
                 completions=completions,
                 stats=stats_to_proto(gen.stats, generated),
@@ -135,23 +167,49 @@ class Generator:
                 seed=gen.spec.seed,
             )
 
+    def _completion(self, gen: Generation, sample: Sample) -> coordinator_pb2.Completion:
+        """What this call generated (a resumed call: only what it added)."""
+        text = self.engine.text_of(sample)
+        earlier = self._sent_text(gen, sample)
+        return coordinator_pb2.Completion(
+            text=text.removeprefix(earlier),
+            token_ids=sample.generated[gen.resumed_tokens :],
+            finish_reason=sample.finish_reason,
+        )
+
+    def _sent_text(self, gen: Generation, sample: Sample) -> str:
+        """The text an interrupted stream had delivered before this call resumed it."""
+        if not gen.resumed_tokens:
+            return ""
+        # What a stream holding back partial characters and stop-string prefixes had sent by then.
+        return TextStream(gen.spec.stop).delta(self.engine.decode(sample.generated[: gen.resumed_tokens]), False)
+
     def stream(
-        self, request, deadline: Deadline, is_active: Callable[[], bool]
+        self, request, deadline: Deadline, is_active: Callable[[], bool], tenant: str = ""
     ) -> Iterator[coordinator_pb2.GenerateChunk]:
         """One chunk per round (text deltas that never take back what they sent), then a final one."""
         with ExitStack() as stack:
-            gen = self.start(request, deadline, True, stack)
-            (sample,) = gen.samples
-            text = TextStream(gen.spec.stop)
-            ids = {"session_id": gen.session_id, "seed": gen.spec.seed}
-            for event in self.rounds(gen, is_active):
-                delta = text.delta(self.engine.text_of(sample), not sample.running)
-                yield coordinator_pb2.GenerateChunk(text=delta, token_ids=event.new_tokens.get(sample.index, []), **ids)
-            self.on_finish(gen.stats, len(sample.generated))
-            yield coordinator_pb2.GenerateChunk(
-                text=text.delta(self.engine.text_of(sample), True),
-                done=True,
-                finish_reason=sample.finish_reason,
-                stats=stats_to_proto(gen.stats, len(sample.generated)),
-                **ids,
-            )
+            gen = self.start(request, deadline, True, stack, tenant)
+            try:
+                yield from self._chunks(gen, is_active)
+            except ServiceError as exc:
+                if gen.saved or request.session_id:  # a new session exists only once saved
+                    exc.session_id = gen.session_id  # the status names the session to resume
+                raise
+
+    def _chunks(self, gen: Generation, is_active: Callable[[], bool]) -> Iterator[coordinator_pb2.GenerateChunk]:
+        (sample,) = gen.samples
+        text = TextStream(gen.spec.stop, self._sent_text(gen, sample))
+        ids = {"session_id": gen.session_id, "seed": gen.spec.seed}
+        for event in self.rounds(gen, is_active, streaming=True):
+            delta = text.delta(self.engine.text_of(sample), not sample.running)
+            yield coordinator_pb2.GenerateChunk(text=delta, token_ids=event.new_tokens.get(sample.index, []), **ids)
+        generated = len(sample.generated) - gen.resumed_tokens
+        self.on_finish(gen.stats, generated)
+        yield coordinator_pb2.GenerateChunk(
+            text=text.delta(self.engine.text_of(sample), True),
+            done=True,
+            finish_reason=sample.finish_reason,
+            stats=stats_to_proto(gen.stats, generated),
+            **ids,
+        )

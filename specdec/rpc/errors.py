@@ -16,6 +16,8 @@ from specdec.core.errors import HiddenStatesMiss, ServiceError
 log = logging.getLogger(__name__)
 
 REASON_KEY = "specdec-reason"
+# On an error that ends a stream after it saved tokens: the session `resume` finishes.
+SESSION_KEY = "specdec-session-id"
 # ServiceError subclasses a client rebuilds from the reason a status carries.
 _BY_REASON: dict[str, type[ServiceError]] = {HiddenStatesMiss.reason: HiddenStatesMiss}
 
@@ -36,8 +38,13 @@ def error_from_reason(metadata, message: str) -> ServiceError | None:
 
 
 def _abort(context, exc: Exception) -> None:
+    metadata = []
     if isinstance(exc, ServiceError) and exc.reason:
-        context.set_trailing_metadata(((REASON_KEY, exc.reason),))
+        metadata.append((REASON_KEY, exc.reason))
+    if getattr(exc, "session_id", ""):  # a stream cut off mid-way: the session to resume
+        metadata.append((SESSION_KEY, exc.session_id))
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata))
     context.abort(*status_for(exc))
 
 

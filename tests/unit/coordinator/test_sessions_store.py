@@ -200,3 +200,51 @@ def test_unreachable_redis_is_unavailable(closed_port, operation):
     with pytest.raises(Unavailable, match="unavailable") as info:
         operation(store)
     assert info.value.code == "UNAVAILABLE"
+    assert str(closed_port) not in str(info.value), "a client must not learn the store's address"
+
+
+def test_a_session_exists_only_for_the_tenant_that_created_it(store):
+    session_id = store.new_session_id()
+    with store.lease(session_id, tenant="alice") as lease:
+        lease.save([1, 2])
+    assert store.get(session_id, "alice").token_ids == [1, 2]
+    for other in ("", "bob"):
+        with pytest.raises(NotFound):
+            store.get(session_id, other)
+        assert store.delete(session_id, other) is False
+    with store.lease(session_id, tenant="bob") as lease:  # a later save never changes the owner
+        lease.save([1, 2, 3])
+    assert store.get(session_id, "alice").token_ids == [1, 2, 3]
+    assert store.delete(session_id, "alice") is True
+
+
+def test_the_generation_in_progress_is_saved_with_the_tokens_and_cleared_when_done(store):
+    session_id = store.new_session_id()
+    with store.lease(session_id) as lease:
+        lease.save([1, 2], {"seed": 7, "generated": 1})
+        assert store.get(session_id).generation == {"seed": 7, "generated": 1}
+        lease.save([1, 2, 3])
+    assert store.get(session_id).generation is None
+
+
+def test_a_held_lease_is_renewed_past_its_ttl_and_a_released_one_frees_the_session(redis_url):
+    store = SessionStore.from_url(redis_url, prefix=f"specdec:test:{uuid.uuid4().hex}", ttl_s=TTL_S, lock_ttl_s=1)
+    session_id = store.new_session_id()
+    with store.lease(session_id) as lease:
+        time.sleep(2.5)  # 2.5 TTLs: only the heartbeat keeps it
+        with pytest.raises(Aborted):
+            store.lease(session_id).__enter__()
+        lease.save([4])
+    with store.lease(session_id):
+        pass
+
+
+def test_an_abandoned_lease_lapses_within_its_ttl(redis_url):
+    store = SessionStore.from_url(redis_url, prefix=f"specdec:test:{uuid.uuid4().hex}", ttl_s=TTL_S, lock_ttl_s=1)
+    session_id = store.new_session_id()
+    store.client.set(store._lock_key(session_id), "a crashed coordinator", ex=1)
+    with pytest.raises(Aborted):
+        store.lease(session_id).__enter__()
+    time.sleep(1.2)
+    with store.lease(session_id):
+        pass

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specdec.core import errors
-from specdec.rpc.errors import error_from_reason, grpc_errors, status_for
+from specdec.rpc.errors import SESSION_KEY, _abort, error_from_reason, grpc_errors, status_for
 
 
 class AbortCalled(Exception):
@@ -147,3 +147,21 @@ def test_errors_without_a_reason_send_no_metadata_and_unknown_reasons_are_ignore
     assert context.trailing_metadata == ()
     assert error_from_reason((("specdec-reason", "something-new"), ("other", "x")), "m") is None
     assert error_from_reason(None, "m") is None
+
+
+def test_the_status_of_a_cut_stream_names_its_session_in_trailing_metadata():
+    """The trailing metadata of a stream's error carries `specdec-session-id`."""
+    class Context:
+        metadata = ()
+
+        def set_trailing_metadata(self, metadata):
+            self.metadata = metadata
+
+        def abort(self, code, details):
+            raise RuntimeError(code)
+
+    error, context = errors.Unavailable("target down"), Context()
+    error.session_id = "ab" * 16
+    with pytest.raises(RuntimeError):
+        _abort(context, error)
+    assert (SESSION_KEY, "ab" * 16) in context.metadata
