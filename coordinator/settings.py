@@ -26,7 +26,7 @@ class CoordinatorSettings:
     tokenizer: str = setting("smollm2-135m-instruct", "TOKENIZER", "the target's tokenizer: same forms as a model spec")
     session_ttl_s: int = setting(86400, "SESSION_TTL_S", "seconds a session lives after its last update")
     session_lock_ttl_s: int = setting(
-        10, "SESSION_LOCK_TTL_S", "lease of a session lock: renewed every third of it while a call runs, released on exit"
+        6, "SESSION_LOCK_TTL_S", "lease of a session lock: renewed every third of it while a call runs, released on exit"
     )
     session_key_prefix: str = setting("specdec:v1", "SESSION_KEY_PREFIX", "Redis key prefix")
     # Per call, much shorter than a request's: a hung replica costs one timeout, then the call is
