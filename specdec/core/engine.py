@@ -10,18 +10,22 @@ timings, so the tokens may differ while their law stays the target's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.core.errors import ServiceError
+from specdec.core.draft_health import DraftHealth
+from specdec.core.errors import InconsistentDraftError, ServiceError
 from specdec.core.hidden import HiddenStateRelay
 from specdec.core.kpolicy import AdaptiveK, FixedK, RoundOutcome
 from specdec.core.protocols import Deadline, Drafter, DraftProposal, DraftRequest, Verifier, VerifyRequest
 from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
 from specdec.core.text import Decode, stop_point
+
+log = logging.getLogger(__name__)
 
 # The values of specdec.v1.FinishReason.
 FINISH_RUNNING = 0
@@ -92,6 +96,7 @@ class Stats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prompt_tokens: int = 0
+    draft_fallback_rounds: int = 0  # rounds run at K = 0 because the draft failed or was backing off
     started: float = field(default_factory=time.perf_counter)
 
     def count(self, drafted: int, result: RoundResult) -> None:
@@ -133,20 +138,25 @@ class _Draft:
     point_mass: bool = False  # q_i = one-hot(tokens[i]), built at accept time with the target's V
 
     def laws(self, vocab: int) -> np.ndarray:
-        """[k, V] float32 laws the tokens were drawn from; ServiceError when they cannot be over V."""
+        """[k, V] float32 laws the tokens were drawn from; ServiceError when they cannot be over V
+        or do not give their own tokens a positive probability. Decided from the draft alone, before
+        any accept draw, so that dropping such a draft cannot bias the round."""
+        outside = [t for t in self.tokens if not 0 <= t < vocab]
+        if outside:
+            raise ServiceError(f"draft proposed token id {outside[0]}, outside the target's vocabulary [0, {vocab})")
+        rows = np.arange(len(self.tokens))
         if self.point_mass:
-            outside = [t for t in self.tokens if not 0 <= t < vocab]
-            if outside:
-                raise ServiceError(
-                    f"draft proposed token id {outside[0]}, outside the target's vocabulary [0, {vocab})"
-                )
             laws = np.zeros((len(self.tokens), vocab), np.float32)
-            laws[np.arange(len(self.tokens)), self.tokens] = 1.0
+            laws[rows, self.tokens] = 1.0
             return laws
         if self.probs is None:
             return np.empty((0, vocab), np.float32)
         if self.probs.shape[1] != vocab:
             raise ServiceError(f"draft and target laws differ in vocabulary size: {self.probs.shape[1]} vs {vocab}")
+        zero = np.flatnonzero(~(self.probs[rows, self.tokens] > 0))
+        if zero.size:
+            i = int(zero[0])
+            raise InconsistentDraftError(f"draft proposed token {self.tokens[i]} with q = 0 at position {i + 1}")
         return self.probs
 
 
@@ -169,25 +179,34 @@ def checked_draft(proposal: DraftProposal, k: int) -> _Draft:
 
 
 class SpeculativeEngine:
-    def __init__(self, drafter: Drafter, verifier: Verifier, decode: Decode):
+    """`health`: the draft pool's, shared by every request (by default the drafter's own, as a
+    DraftClient keeps one): while the draft is down, rounds run at K = 0 instead of failing."""
+
+    def __init__(self, drafter: Drafter, verifier: Verifier, decode: Decode, health: DraftHealth | None = None):
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
+        self.health = health if health is not None else getattr(drafter, "health", None) or DraftHealth()
 
     def run(
-        self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline
+        self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline, first_round: int = 0
     ) -> Iterator[RoundEvent]:
-        """Advance `samples` in lockstep rounds until each finishes; yields after every round."""
+        """Advance `samples` in lockstep rounds until each finishes; yields after every round.
+
+        `first_round`: the index of the first round's randomness; an interrupted generation resumed
+        from its saved samples at the round where it stopped continues the same seeded stream."""
         drafter, verifier = self.drafter, self.verifier
         if spec.draft_needs_hidden and spec.num_speculative_tokens > 0:
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
         # One policy for the samples of this run: it reads only rounds already played.
         k_max = spec.num_speculative_tokens
         policy = AdaptiveK(k_max, verify_curve=spec.verify_costs) if spec.auto_k else FixedK(k_max)
-        round_index = 0
+        round_index = first_round
         while running := [s for s in samples if s.running]:
             k = policy.choose()
             drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline)
+            if drafts is None:  # the draft failed or is backing off: this round is target-only
+                k, drafts = 0, [_Draft() for _ in running]
             event, verify_s, results = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
             counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
             rows = 1 + max(drafted for drafted, _ in counts)
@@ -215,13 +234,17 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-    ) -> tuple[list[_Draft], float]:
-        """This round's drafts (at most k tokens each) and the seconds the Propose took."""
+    ) -> tuple[list[_Draft] | None, float]:
+        """This round's drafts (at most k tokens each) and the seconds the Propose took; None for
+        the drafts when the draft pool failed or is backing off (counted in `stats`)."""
         ks = [self._num_draft_tokens(spec, s, k) for s in running]
         drafts = [_Draft() for _ in running]
         proposing = [i for i, n in enumerate(ks) if n > 0]
         if not proposing:
             return drafts, 0.0
+        if not self.health.may_propose():
+            self._fallback(stats)
+            return None, 0.0
         requests = [
             DraftRequest(
                 cache_key=spec.model_cache_key,
@@ -233,14 +256,32 @@ class SpeculativeEngine:
             for i in proposing
         ]
         started = time.perf_counter()
-        proposals = drafter.propose(requests, spec.sampling, deadline)
+        try:
+            proposals = drafter.propose(requests, spec.sampling, deadline)
+            if len(proposals) != len(proposing):
+                raise ServiceError(f"draft returned {len(proposals)} proposals for {len(proposing)} sequences")
+            for i, proposal in zip(proposing, proposals, strict=True):
+                drafts[i] = checked_draft(proposal, ks[i])
+        except ServiceError as exc:
+            stats.draft_time_s += time.perf_counter() - started
+            deadline.check()  # the request's own deadline passed: that is no fault of the draft
+            self._draft_failed(exc, stats)
+            return None, 0.0
+        self.health.succeeded()
         draft_s = time.perf_counter() - started
         stats.draft_time_s += draft_s
-        if len(proposals) != len(proposing):
-            raise ServiceError(f"draft returned {len(proposals)} proposals for {len(proposing)} sequences")
-        for i, proposal in zip(proposing, proposals, strict=True):
-            drafts[i] = checked_draft(proposal, ks[i])
         return drafts, draft_s
+
+    def _draft_failed(self, error: ServiceError, stats: Stats) -> None:
+        log.warning("draft failed; rounds run at K=0 for %.0f s: %s", self.health.backoff_s, error)
+        self.health.failed()
+        self._fallback(stats)
+
+    def _fallback(self, stats: Stats) -> None:
+        # K = 0 samples from the target's law alone: still exactly lossless, and the draft stream's
+        # failure cannot bias it (the accept stream is independent of the draft's).
+        stats.draft_fallback_rounds += 1
+        self.health.count_fallback()
 
     def _verify(
         self,
@@ -264,26 +305,43 @@ class SpeculativeEngine:
         if len(results) != len(running):
             raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
         stats.rounds += 1
+        target_laws = [
+            self._target_laws(draft, result.target_probs) for draft, result in zip(drafts, results, strict=True)
+        ]
+        draft_laws = self._vet(drafts, target_laws, stats)
         new_tokens: dict[int, list[int]] = {}
         outcomes = []
-        for sample, draft, verification in zip(running, drafts, results, strict=True):
-            result = self._accept(spec, sample, draft, verification.target_probs, round_index)
-            stats.count(len(draft.tokens), result)
+        for i, sample in enumerate(running):
+            rng = rng_for(spec.seed, sample.index, round_index, _ACCEPT_STREAM)
+            result = speculative_round(drafts[i].tokens, draft_laws[i], target_laws[i], rng)
+            stats.count(len(drafts[i].tokens), result)
             outcomes.append(result)
             new_tokens[sample.index] = self._append(spec, sample, result.tokens)
         return RoundEvent(round_index, new_tokens), verify_s, outcomes
 
     @staticmethod
-    def _accept(
-        spec: GenerationSpec, sample: Sample, draft: _Draft, target_probs: np.ndarray, round_index: int
-    ) -> RoundResult:
+    def _target_laws(draft: _Draft, target_probs: np.ndarray) -> np.ndarray:
         k = len(draft.tokens)
         if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
             raise ServiceError(f"target returned {target_probs.shape[0]} laws for K={k}")
-        draft_probs = draft.laws(target_probs.shape[1])
         check_laws("target", target_probs)
-        rng = rng_for(spec.seed, sample.index, round_index, _ACCEPT_STREAM)
-        return speculative_round(draft.tokens, draft_probs, target_probs, rng)
+        return target_probs
+
+    def _vet(self, drafts: list[_Draft], target_laws: list[np.ndarray], stats: Stats) -> list[np.ndarray]:
+        """Each draft's laws over the target's vocabulary. A draft that cannot be read over it is
+        dropped (in place, with its target laws cut to the first): that sample's round is K = 0,
+        from the law a K = 0 Verify returns."""
+        laws, error = [], None
+        for i, (draft, target) in enumerate(zip(drafts, target_laws, strict=True)):
+            try:
+                laws.append(draft.laws(target.shape[1]))
+            except ServiceError as exc:
+                error = exc
+                drafts[i], target_laws[i] = _Draft(), target[:1]
+                laws.append(np.empty((0, target.shape[1]), np.float32))
+        if error is not None:
+            self._draft_failed(error, stats)
+        return laws
 
     # ------------------------------------------------------------ stopping
 

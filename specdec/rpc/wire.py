@@ -231,4 +231,5 @@ def stats_to_proto(stats: Stats, generated_tokens: int) -> coordinator_pb2.Gener
         generated_tokens=generated_tokens,
         recovered_tokens=stats.recovered_tokens,
         bonus_tokens=stats.bonus_tokens,
+        draft_fallback_rounds=stats.draft_fallback_rounds,
     )

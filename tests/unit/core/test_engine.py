@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from draft_service.proposer import LocalDrafter
+from specdec.core.draft_health import DraftHealth
 from specdec.core.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -16,7 +17,7 @@ from specdec.core.engine import (
     Stats,
     new_samples,
 )
-from specdec.core.errors import DeadlineExceeded, InconsistentDraftError, ServiceError
+from specdec.core.errors import DeadlineExceeded, ServiceError, Unavailable
 from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, VerifyResult
 from specdec.core.sampling import Sampling
 from target_service.verifier import LocalVerifier
@@ -28,14 +29,14 @@ def _decode(ids) -> str:
     return "".join("abcdefgh"[i] for i in ids)
 
 
-def _run(drafter, verifier, **overrides):
+def _run(drafter, verifier, health=None, deadline=NO_DEADLINE, **overrides):
     fields = dict(
         context_token_ids=[1, 2, 3], max_new_tokens=12, sampling=Sampling(1.0), seed=5, num_speculative_tokens=3
     )
     spec = GenerationSpec(**{**fields, **overrides})
-    engine = SpeculativeEngine(drafter, verifier, _decode)
+    engine = SpeculativeEngine(drafter, verifier, _decode, health=health)
     samples, stats = new_samples(spec), Stats()
-    events = list(engine.run(spec, samples, stats, NO_DEADLINE))
+    events = list(engine.run(spec, samples, stats, deadline))
     return samples, stats, events
 
 
@@ -170,6 +171,21 @@ def test_a_stop_string_cuts_the_sample_and_its_context():
 # ------------------------------------------------------------------ pools that misbehave
 
 
+def _assert_round_runs_at_k0(drafter, message, caplog):
+    """A bad proposal is logged and dropped: the run is the K = 0 run, token for token (the
+    fake target's law is the same whatever the rows, so even a draft dropped after its Verify
+    gives round 0's K = 0 token), and the draft backs off after it."""
+    verifier = FakeVerifier(_uniform_target)
+    alone, _, _ = _run(drafter, verifier, num_speculative_tokens=0)
+    health = DraftHealth(backoff_s=60)
+    samples, stats, events = _run(drafter, verifier, health=health)
+    assert samples[0].generated == alone[0].generated
+    # Every round but the last, which has no room to draft (max_new_tokens) and so falls back from nothing.
+    assert stats.draft_fallback_rounds == len(events) - 1 and stats.drafted_tokens == 0
+    assert not health.healthy
+    assert message in caplog.text
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
@@ -179,17 +195,104 @@ def test_a_stop_string_cuts_the_sample_and_its_context():
         (lambda r: ([1], np.full((1, V), -0.125, np.float32)), "negative"),
         (lambda r: ([1], np.full((1, V), 0.5, np.float32)), "sum to 1"),
         (lambda r: ([1], np.full((1, V + 1), 1 / (V + 1), np.float32)), "vocabulary size"),
+        (lambda r: ([1], _one_hot(2)[None]), "with q = 0"),  # q(x) = 0 for its own token
+        (lambda r: ([V], _one_hot(0)[None]), "outside the target's vocabulary"),
     ],
 )
-def test_a_bad_proposal_is_a_clear_error(make, message):
-    with pytest.raises(ServiceError, match=message):
-        _run(FakeDrafter(make), FakeVerifier(_uniform_target))
+def test_a_bad_proposal_makes_the_round_target_only(make, message, caplog):
+    _assert_round_runs_at_k0(FakeDrafter(make), message, caplog)
 
 
-def test_a_draft_that_claims_q_zero_for_its_own_token_is_an_error():
-    claims_zero = FakeDrafter(lambda r: ([1], _one_hot(2)[None]))
-    with pytest.raises(InconsistentDraftError):
-        _run(claims_zero, FakeVerifier(_uniform_target))
+class FailingDrafter:
+    """Raises `error` on its first `failures` calls, then drafts with `then` (if any)."""
+
+    def __init__(self, error, failures=10**9, then=None):
+        self.error, self.failures, self.then = error, failures, then
+        self.calls = 0
+
+    def propose(self, requests, sampling, deadline):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return self.then.propose(requests, sampling, deadline)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        Unavailable("draft service: connection refused"),
+        DeadlineExceeded("draft service: attempt timed out"),
+        ServiceError("draft service: at capacity", "RESOURCE_EXHAUSTED"),
+        ServiceError("draft service: bad proposal"),
+    ],
+    ids=["unavailable", "timeout", "exhausted", "internal"],
+)
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0)], ids=["T0", "T1"])
+def test_a_failing_draft_gives_the_k0_output_exactly(local_pair, error, sampling):
+    """Greedy and the seeded stream: a K = 0 round draws from the same accept stream."""
+    _, verifier = local_pair
+    alone, _, _ = _run(*local_pair, sampling=sampling, num_speculative_tokens=0, max_new_tokens=16)
+    drafter, health = FailingDrafter(error), DraftHealth(backoff_s=60)
+    samples, stats, events = _run(drafter, verifier, health=health, sampling=sampling, max_new_tokens=16)
+    assert samples[0].generated == alone[0].generated and len(alone[0].generated) == 16
+    assert stats.rounds == len(events) == 16
+    assert stats.draft_fallback_rounds == health.fallback_rounds == 15  # the last round has no room to draft
+    assert drafter.calls == 1  # then it backs off: no Propose per round
+
+
+def test_speculation_resumes_when_the_draft_answers_after_its_back_off(local_pair):
+    draft, verifier = local_pair
+    now = [0.0]
+
+    class Ticking:  # each Verify is one second
+        def verify(self, requests, sampling, deadline):
+            now[0] += 1.0
+            return verifier.verify(requests, sampling, deadline)
+
+    drafter = FailingDrafter(Unavailable("draft down"), failures=1, then=draft)
+    health = DraftHealth(backoff_s=2.5, clock=lambda: now[0])
+    alone, _, _ = _run(*local_pair, sampling=Sampling(0.0), num_speculative_tokens=0, max_new_tokens=24)
+    samples, stats, _ = _run(drafter, Ticking(), health=health, sampling=Sampling(0.0), max_new_tokens=24)
+    # Round 0 fails at t=0; rounds at t=1, 2 skip the draft; the round at t=3 probes and succeeds.
+    assert stats.draft_fallback_rounds == 3 and drafter.calls > 2
+    assert health.healthy and stats.drafted_tokens > 0
+    assert samples[0].generated == alone[0].generated
+
+
+def test_a_request_whose_own_deadline_passed_fails_and_does_not_blame_the_draft(local_pair):
+    _, verifier = local_pair
+
+    class Slow:
+        def propose(self, requests, sampling, deadline):
+            time.sleep(0.2)
+            raise DeadlineExceeded("draft service: deadline exceeded")
+
+    health = DraftHealth()
+    with pytest.raises(DeadlineExceeded, match="the request's deadline passed"):
+        _run(Slow(), verifier, health=health, deadline=Deadline(time.monotonic() + 0.1))
+    assert health.healthy and health.fallback_rounds == 0
+
+
+def test_the_hidden_state_relay_falls_back_too():
+    """A draft that reads the target's hidden states: its Propose fails in round 1 (round 0 has no
+    rows yet), and the run is the K = 0 run."""
+
+    class HiddenVerifier(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            results = super().verify(requests, sampling, deadline)
+            rows = [len(r.prefix_token_ids) + len(r.draft_token_ids) - (r.hidden_from or 0) for r in requests]
+            return [
+                VerifyResult(v.target_probs, 0, np.zeros((n, 4), np.float16))
+                for v, n in zip(results, rows, strict=True)
+            ]
+
+    verifier = HiddenVerifier(_uniform_target)
+    alone, _, _ = _run(None, verifier, num_speculative_tokens=0)
+    drafter = FailingDrafter(Unavailable("draft down"))
+    samples, stats, events = _run(drafter, verifier, health=DraftHealth(), draft_needs_hidden=True)
+    assert drafter.calls == 1
+    assert samples[0].generated == alone[0].generated
+    assert stats.draft_fallback_rounds == len(events) - 2  # not round 0 (no rows yet) nor the last (no room)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +351,5 @@ def test_a_point_mass_draft_is_accepted_with_probability_p_and_recovers_from_p_w
     "tokens, message",
     [([V], "outside the target's vocabulary"), ([-1], "outside"), ([1] * 4, "point-mass tokens for K=3")],
 )
-def test_a_bad_point_mass_proposal_is_a_service_error(tokens, message):
-    with pytest.raises(ServiceError, match=message):
-        _run(PointMassDrafter(lambda r: tokens), FakeVerifier(_uniform_target))
+def test_a_bad_point_mass_proposal_makes_the_round_target_only(tokens, message, caplog):
+    _assert_round_runs_at_k0(PointMassDrafter(lambda r: tokens), message, caplog)
