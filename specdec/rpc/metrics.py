@@ -15,6 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 
+from specdec.rpc.errors import REASON_KEY
+
+# `REASON_KEY` of an admission refusal: the pod is at max_concurrent_requests.
+AT_CAPACITY = "at-capacity"
+
 
 def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
     if not names:
@@ -143,6 +148,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def _observe(self, method: str, context) -> Iterator[None]:
         if not self._admit():
             self.calls.inc(service=self.service, method=method, code="RESOURCE_EXHAUSTED")
+            # The reason tells a client this RESOURCE_EXHAUSTED may succeed on another pod or a
+            # little later (a message over the size limit would not).
+            context.set_trailing_metadata(((REASON_KEY, AT_CAPACITY),))
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.service} is at capacity ({self.max_concurrent} calls in flight); retry shortly",
@@ -193,6 +201,31 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 def _code_of(context) -> str:
     code = context.code() if hasattr(context, "code") else None
     return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+
+def observe_draft_health(registry: Registry, health) -> None:
+    """The draft pool's health (`specdec.core.draft_health.DraftHealth`) as read at each scrape."""
+    registry.observe(
+        "specdec_draft_fallback_rounds_total",
+        "rounds run at K=0 because the draft pool failed or was backing off",
+        "counter",
+        {},
+        lambda: health.fallback_rounds,
+    )
+    registry.observe(
+        "specdec_draft_failures_total",
+        "Propose / Info calls to the draft pool that failed",
+        "counter",
+        {},
+        lambda: health.failures,
+    )
+    registry.observe(
+        "specdec_draft_healthy",
+        "1 while the draft pool is used, 0 while it backs off",
+        "gauge",
+        {},
+        lambda: float(health.healthy),
+    )
 
 
 def serve_metrics(registry: Registry, host: str, port: int) -> ThreadingHTTPServer:
