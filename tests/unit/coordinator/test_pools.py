@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from coordinator.pools import Pools, check_compatible
+from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import FailedPrecondition, Unavailable
 from specdec.core.protocols import NO_DEADLINE
 from specdec.v1 import common_pb2
@@ -112,19 +114,21 @@ def test_target_only_info_does_not_ask_the_draft(clock):
     assert (draft.calls, target.calls) == (0, 1)
 
 
-def test_info_is_cached_for_a_minute(clock):
+def test_info_is_cached_then_refreshed_in_the_background(clock):
     draft, target = FakeClient(_draft_info()), FakeClient(_info(), _info(model_id="target-v2"))
-    pools = Pools(draft, target, "tok", FINGERPRINT)
+    pools = Pools(draft, target, "tok", FINGERPRINT, refresh_s=60.0)
 
     first = pools.info(NO_DEADLINE, need_draft=True)
     clock.now += 59.0
     assert pools.info(NO_DEADLINE, need_draft=True) is first
     assert pools.info(NO_DEADLINE, need_draft=False) is first  # a cached draft is fine when none is needed
-    assert (draft.calls, target.calls) == (1, 1)
+    assert (draft.calls, target.calls) == (1, 1) and pools.refresher is None
 
     clock.now += 1.5
+    assert pools.info(NO_DEADLINE, need_draft=True) is first  # stale: answered at once, refreshed behind
+    pools.refresher.join(5)
     refreshed = pools.info(NO_DEADLINE, need_draft=True)
-    assert refreshed.target.model_id == "target-v2"
+    assert refreshed.target.model_id == "target-v2" and refreshed.draft == _draft_info()
     assert (draft.calls, target.calls) == (2, 2)
 
 
@@ -160,11 +164,94 @@ def test_an_incompatible_draft_is_recorded_not_raised(clock):
     assert pools.info(NO_DEADLINE, need_draft=False) is info
 
 
-def test_an_unreachable_pool_is_an_error_and_is_not_cached(clock):
-    draft = FakeClient(Unavailable("draft down"), _draft_info())
-    target = FakeClient(_info())
+def test_an_unreachable_target_is_an_error_and_is_not_cached(clock):
+    draft, target = FakeClient(_draft_info()), FakeClient(Unavailable("target down"), _info())
     pools = Pools(draft, target, "tok", FINGERPRINT)
     with pytest.raises(Unavailable):
         pools.info(NO_DEADLINE, need_draft=True)
+    assert pools.info(NO_DEADLINE, need_draft=True).target == _info()
+    assert target.calls == 2
+
+
+def test_an_unreachable_draft_is_down_for_its_back_off_not_an_error(clock):
+    draft, target = FakeClient(Unavailable("draft down"), _draft_info()), FakeClient(_info())
+    health = DraftHealth(backoff_s=30, clock=clock)
+    pools = Pools(draft, target, "tok", FINGERPRINT, health=health)
+    info = pools.info(NO_DEADLINE, need_draft=True)
+    assert info.draft is None and info.compatible_error is None  # the request runs at K = 0
+    assert not health.healthy
+    clock.now += 10
+    assert pools.info(NO_DEADLINE, need_draft=True).draft is None
+    assert draft.calls == 1  # not asked again while it backs off
+    clock.now += 25
+    assert pools.info(NO_DEADLINE, need_draft=True).draft == _draft_info()  # one request asks again
+    assert draft.calls == 2 and health.healthy
+
+
+class HangingClient(FakeClient):
+    """A pool whose Info blocks until `release` is set, then answers."""
+
+    def __init__(self, reply):
+        super().__init__(reply)
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def info(self, deadline):
+        self.entered.set()
+        self.release.wait(10)
+        return super().info(deadline)
+
+
+def test_requests_never_wait_behind_a_hanging_draft_info_once_the_target_is_known():
+    """Before the fix every request waited under one lock while a draft Info call ran."""
+    draft, target = HangingClient(_draft_info()), FakeClient(_info())
+    pools = Pools(draft, target, "tok", FINGERPRINT)
+    pools.info(NO_DEADLINE, need_draft=False)  # the target is known
+    first = threading.Thread(target=pools.info, args=(NO_DEADLINE, True))
+    first.start()
+    try:
+        assert draft.entered.wait(5)  # the first K > 0 request is waiting for the draft's first Info
+        started = time.perf_counter()
+        for _ in range(20):
+            assert pools.info(NO_DEADLINE, need_draft=False).draft is None
+        assert time.perf_counter() - started < 0.5
+    finally:
+        draft.release.set()
+        first.join(5)
     assert pools.info(NO_DEADLINE, need_draft=True).draft == _draft_info()
-    assert draft.calls == 2
+
+
+def test_a_refresh_of_a_hanging_pool_delays_no_request(clock):
+    draft, target = HangingClient(_draft_info()), FakeClient(_info())
+    draft.release.set()
+    pools = Pools(draft, target, "tok", FINGERPRINT, refresh_s=60.0)
+    known = pools.info(NO_DEADLINE, need_draft=True)
+    draft.release.clear()
+    draft.entered.clear()
+    clock.now += 61
+    try:
+        pools.info(NO_DEADLINE, need_draft=True)  # starts the refresh
+        assert draft.entered.wait(5)  # the refresh is waiting on the draft
+        started = time.perf_counter()
+        for need_draft in (True, False) * 10:
+            assert pools.info(NO_DEADLINE, need_draft=need_draft) is known
+        assert time.perf_counter() - started < 0.5
+    finally:
+        draft.release.set()
+        pools.refresher.join(5)
+
+
+def test_a_draft_that_does_not_answer_its_first_info_delays_only_the_request_that_asked():
+    draft, target = HangingClient(Unavailable("timed out")), FakeClient(_info())
+    pools = Pools(draft, target, "tok", FINGERPRINT)
+    pools.info(NO_DEADLINE, need_draft=False)
+    first = threading.Thread(target=pools.info, args=(NO_DEADLINE, True))
+    first.start()
+    assert draft.entered.wait(5)
+    draft.release.set()
+    first.join(5)
+    # The draft is down now: K > 0 requests neither wait nor ask it again.
+    draft.release.clear()
+    started = time.perf_counter()
+    for _ in range(10):
+        assert pools.info(NO_DEADLINE, need_draft=True).draft is None
+    assert time.perf_counter() - started < 0.5 and draft.calls == 1
