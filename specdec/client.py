@@ -111,6 +111,11 @@ class SpecdecClient:
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[coordinator_pb2.GenerateChunk]:
         return self._call(self.stub.GenerateStream, build_request(prompt, **kwargs))
 
+    def resume(self, session_id: str) -> Iterator[coordinator_pb2.GenerateChunk]:
+        """Stream the rest of the session's interrupted generation (README "Sessions")."""
+        request = coordinator_pb2.GenerateRequest(session_id=session_id, resume=True)
+        return self._call(self.stub.GenerateStream, request)
+
     def get_session(self, session_id: str) -> coordinator_pb2.Session:
         return self._call(self.stub.GetSession, coordinator_pb2.GetSessionRequest(session_id=session_id))
 

@@ -17,7 +17,7 @@ from coordinator.pools import PoolInfo
 from coordinator.sessions import SessionStore
 from coordinator.settings import CoordinatorSettings
 from draft_service.served import served
-from specdec.client import build_request
+from specdec.client import SpecdecClient, build_request
 from specdec.core.engine import SpeculativeEngine
 from specdec.core.errors import ServiceError, Unavailable
 from specdec.core.protocols import NO_DEADLINE
@@ -72,7 +72,9 @@ def _cut_stream(generator: Generator, request) -> tuple[str, list[int], ServiceE
     return session_id, received, failure.value
 
 
-def test_a_cut_stream_stores_exactly_what_was_sent_and_resume_finishes_it_as_if_uncut(generator_for, coordinator_stub):
+def test_a_cut_stream_stores_exactly_what_was_sent_and_resume_finishes_it_as_if_uncut(
+    generator_for, coordinator_stub, tiny_stack
+):
     reference = [
         t
         for c in generator_for(None).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True)
@@ -89,8 +91,9 @@ def test_a_cut_stream_stores_exactly_what_was_sent_and_resume_finishes_it_as_if_
     assert stored.resumable_tokens == len(reference) - len(received)
 
     # Another replica (the gRPC coordinator) finishes it: the same tokens the uncut stream gave.
+    with SpecdecClient(tiny_stack.coordinator_address) as client:
+        chunks = list(client.resume(session_id))
     resume = coordinator_pb2.GenerateRequest(session_id=session_id, resume=True)
-    chunks = list(coordinator_stub.GenerateStream(resume))
     assert received + [t for c in chunks for t in c.token_ids] == reference
     assert chunks[-1].done and chunks[-1].stats.generated_tokens == len(reference) - len(received)
     stored = coordinator_stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id))
