@@ -20,6 +20,7 @@ from specdec.core.protocols import Deadline
 from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
+from specdec.rpc.metrics import observe_draft_health
 from specdec.rpc.server import GrpcServer, build_grpc_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -105,6 +106,7 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         settings.draft_timeout_s,
         settings.info_timeout_s,
         settings.max_message_mb,
+        backoff_s=settings.draft_backoff_s,
         **pool_options,
     )
     target = TargetClient(
@@ -127,6 +129,8 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         max_concurrent_requests=settings.max_concurrent_requests,
     )
     servicer.use_registry(grpc_server.registry)
+    observe_draft_health(grpc_server.registry, draft.health)
+    servicer.pools.refresh_s = settings.pool_info_refresh_s
     grpc_server.server.start()
     try:
         store.ping()
