@@ -25,7 +25,7 @@ DOCKERFILES = sorted(p for p in ROOT.glob("Dockerfile*") if p.is_file())
 
 def make_var(name: str) -> str:
     """A `NAME := value` from deploy.mk: the single place the pins live."""
-    match = re.search(rf"^{name}\s*:?=\s*(\S+)\s*$", (ROOT / "deploy.mk").read_text(), re.MULTILINE)
+    match = re.search(rf"^{name}\s*[:?]?=\s*(\S+)\s*$", (ROOT / "deploy.mk").read_text(), re.MULTILINE)
     assert match, f"deploy.mk defines no {name}"
     return match.group(1)
 
@@ -66,19 +66,27 @@ def rendered_docs(overlay: str) -> list[dict]:
     return _RENDERED[overlay]
 
 
-_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$\$")
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$\$")
+# The variables docker-compose.yml requires (${VAR:?message}), as `make certs` provides them.
+COMPOSE_REQUIRED = {"REDIS_PASSWORD": "0123456789abcdef"}
+
+
+class MissingVariable(KeyError):
+    """A ${VAR:?message} whose VAR is unset (or empty): docker compose refuses the file."""
 
 
 def interpolate(value, environ: dict[str, str]):
-    """Compose's ${VAR}, ${VAR:-default}, ${VAR-default} and $$, recursively."""
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, ${VAR?err} and $$, recursively."""
     if isinstance(value, str):
 
         def sub(match: re.Match) -> str:
             if match.group(0) == "$$":
                 return "$"
             name, op, default = match.group(1), match.group(2), match.group(3)
-            if name in environ and not (op == ":-" and environ[name] == ""):
+            if name in environ and not (op and op.startswith(":") and environ[name] == ""):
                 return environ[name]
+            if op and op.endswith("?"):
+                raise MissingVariable(f"{name}: {default}")
             return default if op else ""
 
         return _INTERPOLATION.sub(sub, value)
@@ -90,6 +98,7 @@ def interpolate(value, environ: dict[str, str]):
 
 
 def load_compose(environ: dict[str, str] | None = None) -> dict:
-    """docker-compose.yml as `docker compose` reads it; with no variables set: the defaults."""
+    """docker-compose.yml as `docker compose` reads it; with no variables set but the required
+    ones (COMPOSE_REQUIRED): the defaults."""
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())  # anchors and << merges resolved
-    return interpolate(raw, environ or {})
+    return interpolate(raw, COMPOSE_REQUIRED if environ is None else environ)

