@@ -9,9 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
+import grpc
+
+from coordinator.auth import ApiKeys
 from coordinator.generation import Generator
 from coordinator.pools import Pools
 from coordinator.requests import validate_session_id
+from coordinator.resume import resumable_tokens
 from coordinator.sessions import SessionStore
 from coordinator.settings import CoordinatorSettings
 from specdec.core.engine import SpeculativeEngine, Stats
@@ -22,6 +26,7 @@ from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.metrics import observe_draft_health
 from specdec.rpc.server import GrpcServer, build_grpc_server
+from specdec.rpc.tls import TlsFiles, channel_credentials, redact_url
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,9 +41,16 @@ def deadline_of(context) -> Deadline:
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
-        self, settings: CoordinatorSettings, store: SessionStore, draft: DraftClient, target: TargetClient, tokenizer
+        self,
+        settings: CoordinatorSettings,
+        store: SessionStore,
+        draft: DraftClient,
+        target: TargetClient,
+        tokenizer,
+        api_keys: ApiKeys | None = None,
     ):
         self.store = store
+        self.api_keys = api_keys or ApiKeys("")
         self.tokenizer = tokenizer
         self.pools = Pools(draft, target, settings.tokenizer, tokenizer_fingerprint(tokenizer))
         engine = SpeculativeEngine(draft, target, self.decode)
@@ -66,18 +78,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def tenant(self, context) -> str:
+        """The caller's tenant from its API key (UNAUTHENTICATED without a valid one; "" with keys off)."""
+        return self.api_keys.tenant_of(context.invocation_metadata())
+
     @grpc_errors
     def Generate(self, request, context):  # noqa: N802 - gRPC name
-        return self.generator.generate(request, deadline_of(context), context.is_active)
+        tenant = self.tenant(context)
+        return self.generator.generate(request, deadline_of(context), context.is_active, tenant=tenant)
 
     @grpc_errors
     def GenerateStream(self, request, context):  # noqa: N802
-        yield from self.generator.stream(request, deadline_of(context), context.is_active)
+        tenant = self.tenant(context)
+        yield from self.generator.stream(request, deadline_of(context), context.is_active, tenant=tenant)
 
     @grpc_errors
     def GetSession(self, request, context):  # noqa: N802
+        tenant = self.tenant(context)
         validate_session_id(request.session_id)
-        record = self.store.get(request.session_id)
+        record = self.store.get(request.session_id, tenant=tenant)
         return coordinator_pb2.Session(
             session_id=record.session_id,
             token_ids=record.token_ids,
@@ -85,12 +104,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             ttl_seconds=record.ttl_seconds,
             created_at=record.created_at,
             updated_at=record.updated_at,
+            resumable_tokens=resumable_tokens(record.generation),
         )
 
     @grpc_errors
     def DeleteSession(self, request, context):  # noqa: N802
+        tenant = self.tenant(context)
         validate_session_id(request.session_id)
-        return coordinator_pb2.DeleteSessionResponse(deleted=self.store.delete(request.session_id))
+        return coordinator_pb2.DeleteSessionResponse(deleted=self.store.delete(request.session_id, tenant=tenant))
+
+
+def pool_channel_credentials(settings: CoordinatorSettings) -> grpc.ChannelCredentials | None:
+    """TLS to the draft and target pools when their CA is set (mutual with a client certificate), else None.
+
+    Read once: grpc Python fixes a channel's credentials, so a rotated client certificate is
+    picked up at the coordinator's next start (cert-manager renews well before expiry)."""
+    if not settings.pool_tls_ca_file:
+        log.warning("the draft and target pools are reached in plaintext (no pool_tls_ca_file)")
+        return None
+    return channel_credentials(settings.pool_tls_ca_file, settings.pool_tls_cert_file, settings.pool_tls_key_file)
 
 
 def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcServer, int]:
@@ -100,7 +132,11 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     store = SessionStore.from_url(
         settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s
     )
-    pool_options = {"credentials": None, "attempts": settings.call_attempts, "keepalive_s": settings.keepalive_s}
+    pool_options = {
+        "credentials": pool_channel_credentials(settings),
+        "attempts": settings.call_attempts,
+        "keepalive_s": settings.keepalive_s,
+    }
     draft = DraftClient(
         settings.draft_address,
         settings.draft_timeout_s,
@@ -116,7 +152,10 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         settings.max_message_mb,
         **pool_options,
     )
-    servicer = CoordinatorServicer(settings, store, draft, target, tokenizer)
+    api_keys = ApiKeys(settings.api_keys_file)
+    if not api_keys.enabled:
+        log.warning("no API keys file: every caller is served without authentication, as one tenant")
+    servicer = CoordinatorServicer(settings, store, draft, target, tokenizer, api_keys)
     grpc_server = build_grpc_server(
         settings.host,
         settings.port,
@@ -127,6 +166,7 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         metrics_label="coordinator",
         metrics_port=settings.metrics_port,
         max_concurrent_requests=settings.max_concurrent_requests,
+        tls=TlsFiles.from_settings(settings),
     )
     servicer.use_registry(grpc_server.registry)
     observe_draft_health(grpc_server.registry, draft.health)
@@ -136,7 +176,8 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         store.ping()
     except Unavailable:
         log.warning(
-            "Redis at %s is not reachable yet; session calls fail with UNAVAILABLE until it is", settings.redis_url
+            "Redis at %s is not reachable yet; session calls fail with UNAVAILABLE until it is",
+            redact_url(settings.redis_url),
         )
     grpc_server.set_serving(True)
     return grpc_server, grpc_server.port
