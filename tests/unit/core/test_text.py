@@ -44,3 +44,58 @@ def test_deadline_gives_the_smaller_of_cap_and_time_left_then_raises():
     assert 0 < Deadline(time.monotonic() + 1.0).timeout(5.0) <= 1.0
     with pytest.raises(DeadlineExceeded):
         Deadline(time.monotonic() - 0.1).check()
+
+
+# ---------------------------------------------------------------- stop strings, searched in the new text only
+
+
+def _reference_stop_point(decode, generated, before, stop):
+    """The definition: the earliest token count above `before` whose whole text holds a stop."""
+    for count in range(before + 1, len(generated) + 1):
+        text = decode(generated[:count])
+        hits = [text.find(s) for s in stop if s in text]
+        if hits:
+            return count, text[: min(hits)]
+    return None
+
+
+def _utf8_bytes(ids) -> str:
+    """Tokens are bytes: a character split across tokens decodes to U+FFFD until its last byte comes."""
+    return bytes(ids).decode("utf-8", "replace")
+
+
+def test_stop_point_agrees_with_its_definition_round_by_round():
+    import random
+
+    from specdec.core.text import stop_point
+
+    rng = random.Random(0)
+    alphabet = "abé"
+    for _ in range(400):
+        stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3)))
+        generated: list[int] = []
+        found = None
+        while found is None and len(generated) < 40:
+            before = len(generated)
+            generated += list("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))).encode())
+            found = stop_point(_utf8_bytes, generated, before, stops)
+            assert found == _reference_stop_point(_utf8_bytes, generated, before, stops), (stops, generated)
+
+
+def test_held_back_is_the_longest_tail_that_starts_a_stop():
+    import random
+
+    from specdec.core.text import held_back
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 60)))
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 40)))
+        expected = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        assert held_back(text, stop) == expected, (text, stop)
+
+
+def test_a_stream_holds_back_the_longest_tail_any_stop_could_start():
+    stream = TextStream(stop=("xyz", "yzzz"))
+    assert stream.delta("abxyzz", False) == "abx"  # "yzz" could start "yzzz"
+    assert stream.delta("abxyzzqx", False) == "yzzq"  # "x" could start "xyz"
