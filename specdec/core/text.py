@@ -44,9 +44,9 @@ class TextStream:
     start of a stop string, since the final text may cut it.
     """
 
-    def __init__(self, stop: tuple[str, ...]):
+    def __init__(self, stop: tuple[str, ...], sent: str = ""):
         self.stop = stop
-        self.sent = ""
+        self.sent = sent  # text already delivered (a resumed stream's earlier part)
 
     def _safe(self, text: str) -> str:
         text = text.rstrip(_PARTIAL)
