@@ -40,7 +40,7 @@ def _bad_requests(session_id: str):
     yield "malformed session id", build_request([1], session_id="a b" * 100, max_new_tokens=2), INVALID
     yield (
         "unknown session",
-        build_request([1], session_id="no-such-session", max_new_tokens=2),
+        build_request([1], session_id="0" * 32, max_new_tokens=2),
         grpc.StatusCode.NOT_FOUND,
     )
     both = build_request("a b", **ok)
@@ -100,7 +100,7 @@ def test_model_services_validate_their_own_input(tiny_stack):
 
 @pytest.mark.parametrize(
     "broken, expected_in_details",
-    [({"target_address": "127.0.0.1:1"}, "target"), ({"redis": "redis://127.0.0.1:1/0"}, "Redis")],
+    [({"target_address": "127.0.0.1:1"}, "target"), ({"redis": "redis://127.0.0.1:1/0"}, "session store")],
     ids=["target-down", "redis-down"],
 )
 def test_unreachable_dependency_is_unavailable_not_a_hang(
@@ -115,6 +115,7 @@ def test_unreachable_dependency_is_unavailable_not_a_hang(
                 stub.Generate(build_request([1, 2], max_new_tokens=3), timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert expected_in_details in err.value.details()
+            assert "127.0.0.1:1" not in err.value.details(), "clients never see internal addresses"
     finally:
         stop_stack(stack)
 
