@@ -36,6 +36,7 @@ class Generation:
     first_round: int = 0  # a resumed generation continues its seeded stream of rounds here
     resumed_tokens: int = 0  # tokens a resumed generation had sent before this call
     saved: bool = False  # the session has been stored (a new one exists only from its first save)
+    draft_down: bool = False  # K > 0 asked for, the draft pool down: every round is a fallback
 
 
 class Generator:
@@ -79,6 +80,9 @@ class Generator:
         pools = self.pool_info(deadline, params.num_speculative_tokens > 0)
         if params.num_speculative_tokens > 0 and pools.compatible_error:
             raise FailedPrecondition(pools.compatible_error)
+        draft_down = params.num_speculative_tokens > 0 and pools.draft is None
+        if draft_down:  # its Info failed: its needs and limits are unknown, every round runs at K = 0
+            params = replace(params, num_speculative_tokens=0, auto_k=False)
         session_id, lease, record = self._session(request, params.num_samples, tenant, stack)
         history = record.token_ids if record is not None else []
         prompt = prompt_token_ids(self.tokenizer, request, bool(history), pools.target.vocab_size)
@@ -86,7 +90,9 @@ class Generator:
             raise InvalidArgument("the prompt is empty")
         spec = self._spec(request, params, pools, history + prompt, session_id)
         samples = new_samples(spec)
-        return Generation(spec, samples, Stats(prompt_tokens=len(prompt)), deadline, session_id, lease)
+        gen = Generation(spec, samples, Stats(prompt_tokens=len(prompt)), deadline, session_id, lease)
+        gen.draft_down = draft_down
+        return gen
 
     def _resume(self, request, deadline: Deadline, stack: ExitStack, tenant: str) -> Generation:
         """The interrupted generation of `request.session_id`, from where it last saved."""
@@ -97,11 +103,13 @@ class Generator:
         fresh = coordinator_pb2.GenerateRequest(max_new_tokens=1, num_speculative_tokens=0, seed=0)
         base = self._spec(fresh, validate_request(fresh, self.settings, False), pools, record.token_ids, session_id)
         spec, sample, first_round = resumed(record.generation, record.token_ids, base)
-        if spec.num_speculative_tokens > 0 and pools.compatible_error:
+        draft_down = spec.num_speculative_tokens > 0 and pools.draft is None
+        if spec.num_speculative_tokens > 0 and (pools.compatible_error or draft_down):
             spec = replace(spec, num_speculative_tokens=0, auto_k=False)  # still the same law
         spec = replace(spec, max_draft_context=pools.draft.max_position_embeddings if pools.draft else 0)
-        stats = Stats()
-        return Generation(spec, [sample], stats, deadline, session_id, lease, first_round, len(sample.generated))
+        gen = Generation(spec, [sample], Stats(), deadline, session_id, lease, first_round, len(sample.generated))
+        gen.draft_down = draft_down
+        return gen
 
     def _spec(
         self, request, params: RequestParams, pools: PoolInfo, context_ids: list[int], session_id: str
@@ -140,6 +148,7 @@ class Generator:
         for batch in batches(gen.samples, gen.spec.sample_batch_size):
             events = self.engine.run(gen.spec, batch, gen.stats, gen.deadline, gen.first_round)
             for event in events:
+                gen.stats.draft_fallback_rounds += gen.draft_down
                 yield event  # a stream is resumed here only once gRPC has sent the round's chunk
                 if gen.lease is not None and streaming:
                     (sample,) = batch

@@ -52,7 +52,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.store = store
         self.api_keys = api_keys or ApiKeys("")
         self.tokenizer = tokenizer
-        self.pools = Pools(draft, target, settings.tokenizer, tokenizer_fingerprint(tokenizer))
+        self.pools = Pools(
+            draft, target, settings.tokenizer, tokenizer_fingerprint(tokenizer), settings.pool_info_refresh_s
+        )
         engine = SpeculativeEngine(draft, target, self.decode)
         self.generator = Generator(settings, engine, self.pools.info, tokenizer, store)
         self._tokens_metric = self._rounds_metric = None
@@ -170,7 +172,6 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     )
     servicer.use_registry(grpc_server.registry)
     observe_draft_health(grpc_server.registry, draft.health)
-    servicer.pools.refresh_s = settings.pool_info_refresh_s
     grpc_server.server.start()
     try:
         store.ping()

@@ -212,3 +212,14 @@ def test_one_hung_target_replica_of_two_does_not_fail_new_requests(stacks, tiny_
     # once ejected none: the last requests run at healthy speed.
     assert max(took) < 8 * 2 * timeout_s + 2
     assert max(took[-4:]) < timeout_s
+
+
+def test_a_draft_down_before_the_request_runs_it_at_k0_and_says_so(stacks):
+    """The draft's Info fails (nothing listens): the request is served target-only, every round
+    counted as a fallback, rather than refused."""
+    stack = stacks(draft_address="127.0.0.1:1", draft_timeout_s=0.5, info_timeout_s=0.5, call_attempts=1)
+    stub = coordinator_pb2_grpc.CoordinatorStub(stack.channel())
+    response = stub.Generate(build_request(PROMPT, max_new_tokens=6, num_speculative_tokens=3, ignore_eos=True))
+    stats = response.stats
+    assert len(response.completions[0].token_ids) == 6
+    assert stats.drafted_tokens == 0 and stats.draft_fallback_rounds == stats.rounds > 0
