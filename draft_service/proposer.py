@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdec.core.protocols import Deadline, DraftProposal, DraftRequest
+from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, DraftRequest
 from specdec.core.sampling import Sampling, normalize, sample_token
 from specdec.models.draft_artifact import fed_hidden
 from specdec.models.runner import ModelRunner
@@ -33,13 +33,19 @@ def _fed_hidden(request: DraftRequest) -> torch.Tensor:
     return fed_hidden(torch.from_numpy(np.asarray(request.target_hidden, dtype=np.float32)))
 
 
-def propose(runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling) -> list[DraftProposal]:
+def propose(
+    runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline = NO_DEADLINE
+) -> list[DraftProposal]:
+    """K draft steps per sequence; `deadline` is checked before each (a call that waited in the
+    model thread's queue past its caller's deadline, or whose caller left, runs no forward)."""
     if len(requests) == 1:
-        return [_propose_cached(runner, requests[0], sampling)]
-    return _propose_batch(runner, requests, sampling)
+        return [_propose_cached(runner, requests[0], sampling, deadline)]
+    return _propose_batch(runner, requests, sampling, deadline)
 
 
-def _propose_cached(runner: ModelRunner, request: DraftRequest, sampling: Sampling) -> DraftProposal:
+def _propose_cached(
+    runner: ModelRunner, request: DraftRequest, sampling: Sampling, deadline: Deadline
+) -> DraftProposal:
     """One sequence: each step extends the session's KV cache by one token."""
     uniforms = _uniforms(request.seed, request.num_draft_tokens)
     tokens: list[int] = []
@@ -51,6 +57,7 @@ def _propose_cached(runner: ModelRunner, request: DraftRequest, sampling: Sampli
     fed = _fed_hidden(request) if runner.needs_target_hidden else None
     exact_len = len(request.prefix_token_ids) if fed is not None else None
     for step in range(request.num_draft_tokens):
+        deadline.check()
         result = runner.last_logits(
             request.cache_key, request.prefix_token_ids + tokens, 1, input_hidden=fed, exact_len=exact_len
         )
@@ -64,13 +71,16 @@ def _propose_cached(runner: ModelRunner, request: DraftRequest, sampling: Sampli
     return DraftProposal(tokens, np.stack(rows), cached)
 
 
-def _propose_batch(runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling) -> list[DraftProposal]:
+def _propose_batch(
+    runner: ModelRunner, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline
+) -> list[DraftProposal]:
     """Independent sequences in lockstep padded forwards (no cache: short samples)."""
     uniforms = [_uniforms(r.seed, r.num_draft_tokens) for r in requests]
     tokens: list[list[int]] = [[] for _ in requests]
     rows: list[list[np.ndarray]] = [[] for _ in requests]
     fed = [_fed_hidden(r) for r in requests] if runner.needs_target_hidden else None
     for step in range(max(r.num_draft_tokens for r in requests)):
+        deadline.check()
         active = [i for i, r in enumerate(requests) if r.num_draft_tokens > step]
         results = runner.batch_forward(
             [requests[i].prefix_token_ids + tokens[i] for i in active],
@@ -94,4 +104,4 @@ class LocalDrafter:
 
     def propose(self, requests: Sequence[DraftRequest], sampling: Sampling, deadline: Deadline) -> list[DraftProposal]:
         deadline.check()
-        return self.runner.on_model_thread(propose, self.runner, list(requests), sampling)
+        return self.runner.on_model_thread(propose, self.runner, list(requests), sampling, deadline)

@@ -11,13 +11,15 @@ from draft_service.loading import load_draft
 from draft_service.served import ServedDraft, served
 from draft_service.settings import SUFFIX_MODEL, DraftSettings
 from specdec.core.errors import InvalidArgument
-from specdec.core.protocols import NO_DEADLINE, DraftRequest
+from specdec.core.protocols import DraftRequest
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.model_service import (
+    CallDeadline,
     GrpcServer,
     LoadedModel,
     ModelServicerBase,
     start_model_server,
+    validate_key,
     validate_length,
     validate_sequence_count,
     validate_token_ids,
@@ -39,6 +41,8 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
         validate_sequence_count(len(request.sequences), self.settings.max_batch_sequences)
         parsed = []
         for seq in request.sequences:
+            validate_key(seq.cache_key, "cache_key")
+            validate_key(seq.hidden_states_key, "hidden_states_key")
             prefix = list(seq.prefix_token_ids)
             if not prefix:
                 raise InvalidArgument("prefix_token_ids is empty")
@@ -94,7 +98,8 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
             raise InvalidArgument(str(exc)) from exc
         requests, drafter = self._requests(request), self.loaded.drafter
         # A model's drafter runs on the model's thread; a model-free one here (draft_service.served).
-        return propose_response(drafter.propose(requests, sampling, NO_DEADLINE))
+        # It stops between draft steps once the caller has gone (CallDeadline).
+        return propose_response(drafter.propose(requests, sampling, CallDeadline.of(context)))
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802

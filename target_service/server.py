@@ -6,10 +6,12 @@ from specdec.core.errors import InvalidArgument
 from specdec.core.protocols import VerifyRequest
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.model_service import (
+    CallDeadline,
     GrpcServer,
     LoadedModel,
     ModelServicerBase,
     start_model_server,
+    validate_key,
     validate_length,
     validate_sequence_count,
     validate_token_ids,
@@ -28,6 +30,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
         validate_sequence_count(len(request.sequences), self.settings.max_batch_sequences)
         parsed = []
         for seq in request.sequences:
+            validate_key(seq.cache_key, "cache_key")
             prefix, drafts = list(seq.prefix_token_ids), list(seq.draft_token_ids)
             if not prefix:
                 raise InvalidArgument("prefix_token_ids is empty")
@@ -48,8 +51,9 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        runner = self.loaded.runner
-        results = runner.on_model_thread(verify, runner, self._requests(request), sampling)
+        runner, requests = self.loaded.runner, self._requests(request)
+        # No forward once the caller has gone, even after waiting for the model thread.
+        results = runner.on_model_thread(verify, runner, requests, sampling, CallDeadline.of(context))
         return verify_response(results)
 
     @grpc_errors

@@ -12,13 +12,18 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from specdec.core.protocols import Deadline, VerifyRequest, VerifyResult
+from specdec.core.protocols import NO_DEADLINE, Deadline, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling
 from specdec.models.runner import ModelRunner
 from specdec.models.warping import to_wire, warp_logits
 
 
-def verify(runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling) -> list[VerifyResult]:
+def verify(
+    runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline = NO_DEADLINE
+) -> list[VerifyResult]:
+    """One forward over all sequences; none if `deadline` has passed (or the caller left) while
+    the call waited for the model thread."""
+    deadline.check()
     if len(requests) == 1:
         request = requests[0]
         result = runner.last_logits(
@@ -56,7 +61,7 @@ class LocalVerifier:
 
     def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
         deadline.check()
-        results = self.runner.on_model_thread(verify, self.runner, list(requests), sampling)
+        results = self.runner.on_model_thread(verify, self.runner, list(requests), sampling, deadline)
         # Hidden states as the wire carries them (float16), so a hidden-state draft reads the
         # same numbers in both modes.
         return [r if r.hidden is None else replace(r, hidden=r.hidden.astype(np.float16)) for r in results]

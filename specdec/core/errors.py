@@ -51,6 +51,12 @@ class DeadlineExceeded(ServiceError):
     code = "DEADLINE_EXCEEDED"
 
 
+class Cancelled(ServiceError):
+    """The caller has gone (it cancelled the call): its work stops."""
+
+    code = "CANCELLED"
+
+
 class NonFiniteLogitsError(ServiceError, ValueError):
     """A model produced NaN or +inf logits: sampling from them would be silently wrong."""
 

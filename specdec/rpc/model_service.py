@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
 
-from specdec.core.errors import InvalidArgument, Unavailable
+from specdec.core.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from specdec.core.protocols import Deadline
 from specdec.models.layouts import AUTO, LAYOUTS
 from specdec.rpc.metrics import Registry
 from specdec.rpc.server import GrpcServer, build_grpc_server
@@ -120,6 +122,41 @@ def validate_sequence_count(count: int, limit: int) -> None:
 def validate_length(total: int, max_positions: int) -> None:
     if max_positions and total > max_positions:
         raise InvalidArgument(f"sequence of {total} tokens exceeds the model's {max_positions} positions")
+
+
+# A key names a cache entry the service keeps (KV cache, hidden rows): the coordinator's are 32
+# hex digits (a session id) or 16; a longer one would only grow the service's memory.
+MAX_KEY_BYTES = 128
+
+
+def validate_key(key: str, what: str) -> None:
+    """INVALID_ARGUMENT when a cache key (cache_key, hidden_states_key) is over MAX_KEY_BYTES."""
+    # Characters first: a long key is refused before it is encoded.
+    if len(key) > MAX_KEY_BYTES or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"{what} is longer than the limit of {MAX_KEY_BYTES} bytes ({len(key)} characters)")
+
+
+@dataclass(frozen=True)
+class CallDeadline(Deadline):
+    """A model call's Deadline that also ends when its caller has gone (cancelled, or past its
+    deadline): checked before a queued call's forward runs and between forwards, so a service
+    never computes what nobody will read."""
+
+    context: object = None  # grpc.ServicerContext
+
+    @classmethod
+    def of(cls, context) -> CallDeadline:
+        remaining = context.time_remaining()
+        at = None if remaining is None or remaining > 1e8 else time.monotonic() + remaining
+        return cls(at, context)
+
+    def check(self) -> None:
+        super().check()  # DeadlineExceeded once the caller's deadline has passed
+        if not self.context.is_active():
+            remaining = self.context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded("the caller's deadline passed")
+            raise Cancelled("the caller cancelled the call")
 
 
 @dataclass(frozen=True)

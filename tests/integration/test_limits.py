@@ -1,0 +1,266 @@
+"""Bounded work per request, through the real gRPC services: the coordinator's limits, key
+lengths at the model services, model calls whose caller has gone, and laws a pool returns."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+from service_stack import start_stack, stop_stack
+
+from specdec.client import build_request
+from specdec.rpc.wire import decode_probs, encode_probs
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _refused(stub, request, *named: str) -> None:
+    """Generate and GenerateStream both answer INVALID_ARGUMENT, naming each of `named`."""
+    for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=60)
+        assert err.value.code() == INVALID, err.value.details()
+        for name in named:
+            assert name in err.value.details(), err.value.details()
+
+
+# ---------------------------------------------------------------- coordinator limits
+
+
+def test_an_8_mb_prompt_is_refused_naming_the_limit_and_its_setting(coordinator_stub):
+    _refused(
+        coordinator_stub,
+        build_request("a " * (4 << 20), max_new_tokens=2),
+        "max_prompt_bytes",
+        "SPECDEC_COORDINATOR_MAX_PROMPT_BYTES",
+        str(8 << 20),
+    )
+    # Token ids count 4 bytes each against the same limit: 1 MiB / 4 + 1 of them is over it.
+    _refused(coordinator_stub, build_request([1] * ((1 << 18) + 1), max_new_tokens=2), "max_prompt_bytes")
+
+
+def test_stop_strings_are_limited_in_number_and_length(coordinator_stub):
+    _refused(coordinator_stub, build_request([1], stop=["x"] * 17, max_new_tokens=2), "max_stop_strings")
+    _refused(coordinator_stub, build_request([1], stop=["é" * 129], max_new_tokens=2), "max_stop_bytes", "258")
+    ok = coordinator_stub.Generate(build_request([1], stop=["x" * 256] * 16, max_new_tokens=2), timeout=60)
+    assert ok.completions
+
+
+def test_the_work_of_samples_times_context_and_new_tokens_is_limited(coordinator_stub):
+    # 300 x (1 + 1000) = 300,300 tokens, over the default 262,144 (this stack allows 20,000 samples).
+    request = build_request([1], num_samples=300, max_new_tokens=1000)
+    with pytest.raises(grpc.RpcError) as err:
+        coordinator_stub.Generate(request, timeout=60)
+    assert err.value.code() == INVALID
+    assert (
+        "max_request_tokens" in err.value.details() and "SPECDEC_COORDINATOR_MAX_REQUEST_TOKENS" in err.value.details()
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="coordinator/generation.py does not call check_request_work yet")
+def test_a_text_prompt_counts_its_tokens_once_tokenised(tiny_loaded, tiny_model_dirs, redis_url):
+    stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, max_request_tokens=10)
+    try:
+        with stack.channel() as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            assert stub.Generate(build_request("a b c", max_new_tokens=7), timeout=60).completions  # 3 + 7
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(build_request("a b c d", max_new_tokens=7), timeout=60)  # 4 + 7
+            assert err.value.code() == INVALID and "max_request_tokens" in err.value.details()
+    finally:
+        stop_stack(stack)
+
+
+def test_only_session_ids_the_coordinator_issues_are_accepted(coordinator_stub, tiny_stack, redis_client):
+    created = coordinator_stub.Generate(build_request([1, 2], max_new_tokens=3, temperature=0, ignore_eos=True))
+    session_id = created.session_id
+    key = f"{tiny_stack.settings.session_key_prefix}:session:{session_id}"
+    before = redis_client.hgetall(key)
+    for bad in (session_id + ":lock", session_id.upper(), session_id[:-1], "x" * (20 << 20)):
+        for call, request in (
+            (coordinator_stub.DeleteSession, coordinator_pb2.DeleteSessionRequest(session_id=bad)),
+            (coordinator_stub.GetSession, coordinator_pb2.GetSessionRequest(session_id=bad)),
+            (coordinator_stub.Generate, build_request([1], session_id=bad, max_new_tokens=2)),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=60)
+            assert err.value.code() == INVALID, err.value.details()
+            assert len(err.value.details()) < 300  # the id is not echoed
+    assert redis_client.hgetall(key) == before
+    assert coordinator_stub.DeleteSession(coordinator_pb2.DeleteSessionRequest(session_id=session_id)).deleted
+
+
+# ---------------------------------------------------------------- key lengths at the model services
+
+
+def _propose(**fields) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(
+        sequences=[draft_pb2.DraftSequence(prefix_token_ids=[1, 2], num_draft_tokens=2, seed=1, **fields)]
+    )
+
+
+def _verify(**fields) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(sequences=[target_pb2.VerifySequence(prefix_token_ids=[1, 2], **fields)])
+
+
+def test_model_services_refuse_cache_keys_over_128_bytes(tiny_stack):
+    with grpc.insecure_channel(tiny_stack.draft_address) as d, grpc.insecure_channel(tiny_stack.target_address) as t:
+        draft, target = draft_pb2_grpc.DraftServiceStub(d), target_pb2_grpc.TargetServiceStub(t)
+        assert draft.Propose(_propose(cache_key="k" * 128, hidden_states_key="h" * 128), timeout=30).proposals
+        assert target.Verify(_verify(cache_key="k" * 128), timeout=30).verifications
+        cases = [
+            (draft.Propose, _propose(cache_key="k" * 129), "cache_key"),
+            (draft.Propose, _propose(cache_key="é" * 65), "cache_key"),  # 130 bytes
+            (draft.Propose, _propose(hidden_states_key="h" * 129), "hidden_states_key"),
+            (draft.Propose, _propose(cache_key="k" * (20 << 20)), "cache_key"),
+            (target.Verify, _verify(cache_key="k" * 129), "cache_key"),
+            (target.Verify, _verify(cache_key="k" * (20 << 20)), "cache_key"),
+        ]
+        for call, request, field in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=30)
+            assert err.value.code() == INVALID and field in err.value.details() and "128" in err.value.details()
+
+
+# ---------------------------------------------------------------- work whose caller has gone
+
+
+def _counting(monkeypatch, runner, delay_s: float = 0.0) -> list[int]:
+    """Count (and optionally slow down) the runner's forwards: one entry per call."""
+    calls: list[int] = []
+    for name in ("last_logits", "batch_forward"):
+        real = getattr(runner, name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls.append(1)
+            time.sleep(delay_s)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(runner, name, counted)
+    return calls
+
+
+def _model_thread_idle(runner) -> None:
+    runner.on_model_thread(lambda: None)  # FIFO: everything queued before has run
+
+
+def test_a_verify_whose_deadline_passes_in_the_queue_runs_no_forward(tiny_stack, tiny_loaded, monkeypatch):
+    runner = tiny_loaded["target"].runner
+    forwards = _counting(monkeypatch, runner)
+    with grpc.insecure_channel(tiny_stack.target_address) as channel:
+        target = target_pb2_grpc.TargetServiceStub(channel)
+        slow = threading.Thread(target=runner.on_model_thread, args=(time.sleep, 1.5))
+        slow.start()
+        time.sleep(0.1)  # the slow call holds the model thread
+        with pytest.raises(grpc.RpcError) as err:
+            target.Verify(_verify(cache_key="q" * 32, draft_token_ids=[3]), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        waiting = target.Verify.future(_verify(cache_key="w" * 32, draft_token_ids=[3]), timeout=30)
+        slow.join()
+        _model_thread_idle(runner)
+        assert waiting.result().verifications  # the call with time left ran after the slow one
+    assert len(forwards) == 1  # its forward only: the expired call ran none
+
+
+def test_a_cancelled_propose_stops_between_draft_steps(tiny_stack, tiny_loaded, monkeypatch):
+    runner = tiny_loaded["draft"].runner
+    steps = _counting(monkeypatch, runner, delay_s=0.1)
+    with grpc.insecure_channel(tiny_stack.draft_address) as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        request = draft_pb2.ProposeRequest(
+            sequences=[draft_pb2.DraftSequence(cache_key="c" * 32, prefix_token_ids=[1, 2], num_draft_tokens=30)]
+        )
+        call = draft.Propose.future(request, timeout=60)
+        time.sleep(0.5)
+        call.cancel()
+        _model_thread_idle(runner)
+        assert call.cancelled()
+    assert 1 <= len(steps) < 15, len(steps)  # 30 steps of 0.1 s uncancelled
+
+
+def test_a_propose_past_its_deadline_stops_between_draft_steps(tiny_stack, tiny_loaded, monkeypatch):
+    runner = tiny_loaded["draft"].runner
+    steps = _counting(monkeypatch, runner, delay_s=0.1)
+    with grpc.insecure_channel(tiny_stack.draft_address) as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        sequences = [draft_pb2.DraftSequence(prefix_token_ids=[1, 2], num_draft_tokens=30, seed=s) for s in (1, 2)]
+        with pytest.raises(grpc.RpcError) as err:
+            draft.Propose(draft_pb2.ProposeRequest(sequences=sequences), timeout=0.5)  # the batched path
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _model_thread_idle(runner)
+    assert 1 <= len(steps) < 15, len(steps)
+
+
+# ---------------------------------------------------------------- laws a pool returns
+
+
+class _CorruptingTarget(target_pb2_grpc.TargetServiceServicer):
+    """A real target whose laws can be corrupted on the way out (a broken replica)."""
+
+    def __init__(self, real):
+        self.real = real
+        self.corrupt = None  # [rows, V] float32 -> what is sent instead
+
+    def Info(self, request, context):
+        return self.real.Info(request, context)
+
+    def Verify(self, request, context):
+        response = self.real.Verify(request, context)
+        if self.corrupt is not None:
+            for verification in response.verifications:
+                laws = self.corrupt(np.array(decode_probs(verification.target_probs)))
+                verification.target_probs.CopyFrom(encode_probs(laws, allow_sparse=False))
+        return response
+
+
+@pytest.fixture()
+def corrupting_stack(tiny_loaded, tiny_model_dirs, redis_url):
+    from specdec.settings import load_settings
+    from target_service.server import TargetServicer
+    from target_service.settings import TargetSettings
+
+    real = TargetServicer(load_settings(TargetSettings, [], {}))
+    real.attach(tiny_loaded["target"])
+    fake = _CorruptingTarget(real)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, target_address=f"127.0.0.1:{port}")
+    yield stack, fake
+    stop_stack(stack)
+    server.stop(0).wait(10)
+
+
+def _nan(laws):
+    laws[:, 0] = np.nan
+    return laws
+
+
+@pytest.mark.parametrize(
+    "corrupt, named",
+    [(_nan, "NaN"), (lambda laws: laws * np.float32(0.5), "sum to 1"), (lambda laws: -laws, "negative")],
+    ids=["nan", "half", "negative"],
+)
+def test_bad_laws_from_the_target_fail_the_call_and_store_nothing(corrupting_stack, redis_client, corrupt, named):
+    stack, fake = corrupting_stack
+    with stack.channel() as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        request = build_request([1, 2], max_new_tokens=3, num_speculative_tokens=2, ignore_eos=True, seed=1)
+        created = stub.Generate(request, timeout=60)
+        key = f"{stack.settings.session_key_prefix}:session:{created.session_id}"
+        before = redis_client.hgetall(key)
+        fake.corrupt = corrupt
+        for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(build_request([3], session_id=created.session_id, max_new_tokens=4, seed=2), timeout=60)
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "target" in err.value.details() and named in err.value.details(), err.value.details()
+            assert "Traceback" not in err.value.details()
+        assert redis_client.hgetall(key) == before
+        assert not redis_client.exists(key + ":lock")
