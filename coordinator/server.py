@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import time
 
-import grpc
-
 from coordinator.auth import ApiKeys
 from coordinator.generation import Generator
 from coordinator.pools import Pools
@@ -26,7 +24,7 @@ from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.metrics import observe_draft_health
 from specdec.rpc.server import GrpcServer, build_grpc_server
-from specdec.rpc.tls import TlsFiles, channel_credentials, redact_url
+from specdec.rpc.tls import ChannelCertificateFiles, TlsFiles, redact_url
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -116,15 +114,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.DeleteSessionResponse(deleted=self.store.delete(request.session_id, tenant=tenant))
 
 
-def pool_channel_credentials(settings: CoordinatorSettings) -> grpc.ChannelCredentials | None:
-    """TLS to the draft and target pools when their CA is set (mutual with a client certificate), else None.
-
-    Read once: grpc Python fixes a channel's credentials, so a rotated client certificate is
-    picked up at the coordinator's next start (cert-manager renews well before expiry)."""
+def pool_channel_credentials(settings: CoordinatorSettings) -> ChannelCertificateFiles | None:
+    """TLS to the draft and target pools when their CA is set (mutual with a client certificate), else
+    None. The pool clients rebuild their channels when these files are rotated."""
     if not settings.pool_tls_ca_file:
         log.warning("the draft and target pools are reached in plaintext (no pool_tls_ca_file)")
         return None
-    return channel_credentials(settings.pool_tls_ca_file, settings.pool_tls_cert_file, settings.pool_tls_key_file)
+    return ChannelCertificateFiles(settings.pool_tls_ca_file, settings.pool_tls_cert_file, settings.pool_tls_key_file)
 
 
 def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcServer, int]:

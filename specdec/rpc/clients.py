@@ -7,8 +7,11 @@ import json
 import logging
 import random
 import re
+import ssl
+import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import grpc
 
@@ -20,6 +23,7 @@ from specdec.rpc import wire
 from specdec.rpc.errors import REASON_KEY, error_from_reason
 from specdec.rpc.metrics import AT_CAPACITY
 from specdec.rpc.server import grpc_message_options
+from specdec.rpc.tls import ChannelCertificateFiles
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -131,17 +135,46 @@ class ModelClient:
         call_timeout_s: float,
         info_timeout_s: float,
         max_message_mb: int,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: grpc.ChannelCredentials | ChannelCertificateFiles | None = None,
         attempts: int = 3,
         keepalive_s: float = 0.0,
     ):
         self.role = role
         self.address = address
         self.attempts = max(1, attempts)
-        self.channel = open_channel(address, max_message_mb, credentials, keepalive_s, call_timeout_s)
-        self.stub = stub(self.channel)
         self.call_timeout_s = call_timeout_s
         self.info_timeout_s = info_timeout_s
+        self._open = partial(
+            open_channel, address, max_message_mb, keepalive_s=keepalive_s, call_timeout_s=call_timeout_s
+        )
+        self._stub_class = stub
+        self._tls_files = credentials if isinstance(credentials, ChannelCertificateFiles) else None
+        self._lock = threading.Lock()
+        self.channel = self._open(credentials=self._tls_files.credentials() if self._tls_files else credentials)
+        self._stub = stub(self.channel)
+
+    @property
+    def stub(self):
+        """The pool's stub, on a channel rebuilt first when its TLS files were rotated."""
+        if self._tls_files is not None and self._tls_files.changed():
+            self._rebuild_channel()
+        return self._stub
+
+    def _rebuild_channel(self) -> None:
+        with self._lock:
+            try:
+                credentials = self._tls_files.credentials()
+            except (OSError, ssl.SSLError) as exc:  # mid-rotation: keep the channel we have, retry later
+                log.warning("%s pool: TLS files unreadable, keeping the current channel: %s", self.role, exc)
+                return
+            old, self.channel = self.channel, self._open(credentials=credentials)
+            self._stub = self._stub_class(self.channel)
+        log.info("%s pool: TLS files rotated, new calls use a new channel", self.role)
+        # Calls in flight on the old channel may take every attempt's deadline to finish.
+        linger_s = self.attempts * max(self.call_timeout_s, self.info_timeout_s) + 5.0
+        closer = threading.Timer(linger_s, old.close)
+        closer.daemon = True
+        closer.start()
 
     def call(self, method: Callable, request, deadline: Deadline, timeout_s: float | None = None):
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s

@@ -3,8 +3,8 @@
 Server certificates are re-read when their files change (cert-manager rotates a mounted Secret
 by swapping all its files at once): gRPC asks `ServerCertificateFiles.fetch` before every new
 connection's handshake, so new connections get the new certificate without a restart.
-Channel credentials are fixed per channel in grpc Python; a rotated client certificate is read
-when a channel is next built.
+Channel credentials are fixed per channel in grpc Python, so a client whose files rotate builds a
+new channel (`ChannelCertificateFiles.changed`, `specdec.rpc.clients.ModelClient`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -103,6 +104,43 @@ def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = 
         private_key=read_file(key_file) if key_file else None,
         certificate_chain=read_file(cert_file) if cert_file else None,
     )
+
+
+class ChannelCertificateFiles:
+    """A client's TLS files (the servers' CA, and its certificate + key for mutual TLS), with a
+    cheap check of whether they were replaced since the credentials were last built."""
+
+    CHECK_EVERY_S = 1.0  # at most one stat of the files a second, however many calls
+
+    def __init__(self, ca_file: str, cert_file: str = "", key_file: str = ""):
+        self.ca_file, self.cert_file, self.key_file = ca_file, cert_file, key_file
+        self.paths = tuple(p for p in (ca_file, cert_file, key_file) if p)
+        self._signature: tuple = ()
+        self._checked_at = 0.0
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Credentials from the files as they are now; OSError / ssl.SSLError when they are unreadable
+        or the certificate does not match its key (a half-rotated pair)."""
+        signature = _signature(self.paths)
+        if self.cert_file:
+            ssl.create_default_context().load_cert_chain(self.cert_file, self.key_file)
+        credentials = channel_credentials(self.ca_file, self.cert_file, self.key_file)
+        if _signature(self.paths) != signature:
+            raise OSError("certificate files changed while being read")
+        self._signature, self._checked_at = signature, time.monotonic()
+        return credentials
+
+    def changed(self) -> bool:
+        """Whether the files differ from those the last credentials were built from (checked at most
+        every CHECK_EVERY_S; unreadable files count as unchanged until they can be read)."""
+        now = time.monotonic()
+        if now - self._checked_at < self.CHECK_EVERY_S:
+            return False
+        self._checked_at = now
+        try:
+            return _signature(self.paths) != self._signature
+        except OSError:
+            return False
 
 
 _SECRET_QUERY_KEYS = {"password", "pass", "pwd", "token"}

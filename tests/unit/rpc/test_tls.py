@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import make_pki
 
+from specdec.core.errors import ServiceError
 from specdec.rpc.server import build_grpc_server
 from specdec.rpc.tls import ServerCertificateFiles, TlsFiles, channel_credentials, redact_url
 
@@ -170,3 +171,38 @@ def test_a_server_with_unreadable_or_mismatched_files_does_not_start(pki):
 def test_redact_url_hides_passwords(url, redacted):
     assert redact_url(url) == redacted
     assert "s3cret" not in redact_url(url)
+
+
+def test_a_pool_client_follows_its_rotated_client_certificate_without_a_restart(pki, tmp_path, monkeypatch):
+    """The coordinator's side of cert-manager rotation: grpc Python fixes a channel's credentials,
+    so the pool client builds a new channel when its files change (checked at most once a second)."""
+    from specdec.core.protocols import NO_DEADLINE
+    from specdec.rpc.clients import ModelClient
+    from specdec.rpc.tls import ChannelCertificateFiles
+    from specdec.v1 import common_pb2, target_pb2_grpc
+
+    monkeypatch.setattr(ChannelCertificateFiles, "CHECK_EVERY_S", 0.0)
+    cert, key = str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")
+    shutil.copy(pki["stranger"].cert, cert)  # a certificate the pool does not accept
+    shutil.copy(pki["stranger"].key, key)
+
+    class Target(target_pb2_grpc.TargetServiceServicer):
+        def Info(self, request, context):  # noqa: N802
+            return common_pb2.ModelInfo(model_id="pool")
+
+    server = build_grpc_server(
+        "127.0.0.1", 0, 4, 4, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(Target(), s),
+        ["specdec.v1.TargetService"], "test", tls=TlsFiles(pki["server"].cert, pki["server"].key, pki["ca"].cert),
+    )  # fmt: skip
+    server.server.start()
+    files = ChannelCertificateFiles(pki["ca"].cert, cert, key)
+    client = ModelClient("target", f"127.0.0.1:{server.port}", target_pb2_grpc.TargetServiceStub, 2, 2, 4, files, 1)
+    try:
+        with pytest.raises(ServiceError):
+            client.info(NO_DEADLINE)
+        replace(key, pki["client"].key)
+        replace(cert, pki["client"].cert)
+        assert client.info(NO_DEADLINE).model_id == "pool"
+    finally:
+        client.close()
+        server.server.stop(0).wait(5)
