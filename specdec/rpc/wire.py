@@ -3,6 +3,7 @@ Verify dataclasses (`specdec.core.protocols`), for both ends of each call."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -65,9 +66,11 @@ def decode_probs(tensor: common_pb2.ProbTensor) -> np.ndarray:
         raise ValueError(f"unsupported probability dtype {tensor.dtype}")
     dtype = np.dtype(_DTYPES[tensor.dtype]).newbyteorder("<")
     shape = tuple(tensor.shape)
+    if any(size < 0 for size in shape):
+        raise ValueError(f"tensor shape {list(shape)} has a negative size")
     if tensor.HasField("sparse"):
         return _decode_sparse(tensor, dtype, shape)
-    expected = int(np.prod(shape)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap around
     if len(tensor.data) != expected:
         raise ValueError(f"probability tensor has {len(tensor.data)} bytes, shape {shape} needs {expected}")
     return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
@@ -158,12 +161,22 @@ def propose_response(proposals: list[DraftProposal]) -> draft_pb2.ProposeRespons
     )
 
 
+def _laws(tensor: common_pb2.ProbTensor, rows: int, what: str) -> np.ndarray:
+    """A [rows, V] array of laws (V >= 1); ValueError naming `what` otherwise."""
+    laws = decode_probs(tensor)
+    if laws.ndim != 2 or laws.shape[0] != rows or (rows and laws.shape[1] < 1):
+        raise ValueError(f"{what} has shape {list(laws.shape)}, expected [{rows}, vocabulary]")
+    return laws
+
+
 def proposals_from_proto(response: draft_pb2.ProposeResponse) -> list[DraftProposal]:
-    """ValueError when a probability tensor is inconsistent."""
+    """ValueError when a probability tensor is inconsistent (or not one law per drafted token)."""
     return [
         DraftProposal(list(p.draft_token_ids), None, p.cached_tokens, point_mass=True)
         if p.point_mass
-        else DraftProposal(list(p.draft_token_ids), decode_probs(p.draft_probs), p.cached_tokens)
+        else DraftProposal(
+            list(p.draft_token_ids), _laws(p.draft_probs, len(p.draft_token_ids), "draft_probs"), p.cached_tokens
+        )
         for p in response.proposals
     ]
 
@@ -199,16 +212,25 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
     )
 
 
+def _hidden(tensor: common_pb2.ProbTensor) -> np.ndarray:
+    hidden = decode_probs(tensor)
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden_states has shape {list(hidden.shape)}, expected [rows, hidden size]")
+    return hidden
+
+
 def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[VerifyResult]:
-    """ValueError when a tensor is inconsistent."""
-    return [
-        VerifyResult(
-            decode_probs(v.target_probs),
-            v.cached_tokens,
-            decode_probs(v.hidden_states) if v.HasField("hidden_states") else None,
+    """ValueError when a tensor is inconsistent. (How many laws each needs, K + 1, the engine
+    checks: it knows K.)"""
+    results = []
+    for v in response.verifications:
+        laws = decode_probs(v.target_probs)
+        if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:
+            raise ValueError(f"target_probs has shape {list(laws.shape)}, expected [K + 1, vocabulary]")
+        results.append(
+            VerifyResult(laws, v.cached_tokens, _hidden(v.hidden_states) if v.HasField("hidden_states") else None)
         )
-        for v in response.verifications
-    ]
+    return results
 
 
 # ---------------------------------------------------------------- Coordinator

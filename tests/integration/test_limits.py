@@ -244,8 +244,13 @@ def _nan(laws):
 
 @pytest.mark.parametrize(
     "corrupt, named",
-    [(_nan, "NaN"), (lambda laws: laws * np.float32(0.5), "sum to 1"), (lambda laws: -laws, "negative")],
-    ids=["nan", "half", "negative"],
+    [
+        (_nan, "NaN"),
+        (lambda laws: laws * np.float32(0.5), "sum to 1"),
+        (lambda laws: -laws, "negative"),
+        (lambda laws: laws.reshape(-1), "target_probs has shape"),
+    ],
+    ids=["nan", "half", "negative", "flat"],
 )
 def test_bad_laws_from_the_target_fail_the_call_and_store_nothing(corrupting_stack, redis_client, corrupt, named):
     stack, fake = corrupting_stack
