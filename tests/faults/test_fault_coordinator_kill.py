@@ -1,0 +1,100 @@
+"""A coordinator dies mid-stream: another replica resumes the session within a few seconds, and
+the finished session is the uncut stream's."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from faults import fault_harness as harness
+from specdec.v1 import coordinator_pb2
+
+PROMPT = [3, 1, 4, 1, 5]
+# A fixed K and a seed at T = 1: a resumed stream gives the uncut stream's very tokens.
+LONG = {"max_new_tokens": 55, "num_speculative_tokens": 1, "seed": 23, "temperature": 1.0, "ignore_eos": True}
+KEYS, PREFIX = harness.KEYS, harness.SHARED_PREFIX
+LOCK_TTL_S = float(harness.COORDINATOR_ENV["SESSION_LOCK_TTL_S"])
+
+
+@pytest.fixture(scope="module")
+def doomed(shared_settings, shared_coordinator, fault_dir):
+    """A second replica of the shared coordinator (same Redis, prefix and keys): the one killed."""
+    service = harness.coordinator(fault_dir, name="coordinator-killed", **shared_settings)
+    with harness.running(service):
+        yield service
+
+
+def _cut_stream(
+    coordinator: harness.Service, key: str, redis_url: str
+) -> tuple[list[int], str, float, grpc.StatusCode]:
+    """(tokens received, session id, when it was killed, the stream's status) of a stream whose
+    coordinator is SIGKILLed once its session is stored (after the first chunk or two); the
+    chunks sent before still arrive."""
+    received, session_id, killed_at = [], "", None
+    with harness.client(coordinator, api_key=key) as client:
+        client.generate(PROMPT, max_new_tokens=2)  # warm: pool info known
+        try:
+            for chunk in client.stream(PROMPT, **LONG):
+                received += chunk.token_ids
+                session_id = chunk.session_id
+                if killed_at is None:
+                    harness.wait_stored(redis_url, PREFIX, session_id)
+                    coordinator.kill()
+                    killed_at = time.monotonic()
+        except grpc.RpcError as exc:
+            return received, session_id, killed_at, exc.code()
+    return received, session_id, killed_at, grpc.StatusCode.OK
+
+
+def _resume(client, session_id: str) -> tuple[list[int], int, coordinator_pb2.GenerateChunk]:
+    """Resume on a live replica, retried while it answers ABORTED (the dead one's lease has not
+    lapsed): (tokens, attempts, last chunk)."""
+    for attempt in range(1, 200):
+        try:
+            chunks = list(client.resume(session_id))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+            time.sleep(0.1)
+            continue
+        return [t for c in chunks for t in c.token_ids], attempt, chunks[-1]
+    raise AssertionError("the session stayed busy")
+
+
+def test_another_coordinator_resumes_a_stream_whose_coordinator_was_killed(doomed, shared_coordinator, redis_url):
+    """Fault: SIGKILL of the coordinator serving a stream, as soon as its session is stored.
+    Expect: the client's stream fails (UNAVAILABLE); Redis holds no token the client was not sent;
+    the other replica resumes the session (GenerateRequest.resume, retried while ABORTED) within
+    about one lease (SESSION_LOCK_TTL_S = 3); afterwards the stored tokens are the prompt, the
+    tokens of the first stream and those of the resumed one, which together are exactly the uncut
+    stream's (same seed, fixed K), and nothing is left to resume."""
+    key = KEYS["tenant-a"]
+    with harness.client(shared_coordinator, api_key=key) as live:
+        reference = [t for c in live.stream(PROMPT, **LONG) for t in c.token_ids]
+        received, session_id, killed_at, code = _cut_stream(doomed, key, redis_url)
+        assert code == grpc.StatusCode.UNAVAILABLE, code
+        assert session_id and 0 < len(received) < LONG["max_new_tokens"], "the kill did not land mid-stream"
+        at_kill = harness.stored_tokens(redis_url, PREFIX, session_id)
+        left = live.get_session(session_id).resumable_tokens
+        resumed, attempts, last = _resume(live, session_id)
+        resumed_s = time.monotonic() - killed_at
+        session = live.get_session(session_id)
+    unsaved = len(PROMPT) + len(received) - len(at_kill)
+    print(
+        f"coordinator killed after {len(received)} of {LONG['max_new_tokens']} tokens were received "
+        f"({unsaved} received but not yet stored); resumed {resumed_s:.2f} s after the kill "
+        f"(lease {LOCK_TTL_S:.0f} s, {attempts} attempts), {len(resumed)} more tokens"
+    )
+    assert at_kill == (PROMPT + received)[: len(at_kill)], "Redis held tokens the client was not sent"
+    assert 0 <= unsaved <= LONG["num_speculative_tokens"] + 1, "more than the last round was lost"
+    assert left == LONG["max_new_tokens"] - (len(at_kill) - len(PROMPT))
+    assert last.done and last.stats.generated_tokens == len(resumed) == left
+    assert resumed_s < LOCK_TTL_S + 3
+    stored = harness.stored_tokens(redis_url, PREFIX, session_id)
+    assert stored == list(session.token_ids) == at_kill + resumed
+    if unsaved == 0:
+        assert stored == PROMPT + received + resumed
+    assert stored == PROMPT + reference, "the resumed session is not the uncut stream"
+    assert session.resumable_tokens == 0
