@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 from coordinator.pools import PoolInfo
-from coordinator.requests import RequestParams, prompt_token_ids, validate_request
+from coordinator.requests import RequestParams, check_request_work, prompt_token_ids, validate_request
 from coordinator.resume import check_resume_request, generation_record, resumable_tokens, resumed
 from coordinator.sessions import SessionLease, SessionRecord, SessionStore
 from coordinator.settings import CoordinatorSettings
@@ -86,6 +86,7 @@ class Generator:
         session_id, lease, record = self._session(request, params.num_samples, tenant, stack)
         history = record.token_ids if record is not None else []
         prompt = prompt_token_ids(self.tokenizer, request, bool(history), pools.target.vocab_size)
+        check_request_work(params, len(history) + len(prompt), self.settings)
         if not prompt and not history:
             raise InvalidArgument("the prompt is empty")
         spec = self._spec(request, params, pools, history + prompt, session_id)

@@ -62,7 +62,6 @@ def test_the_work_of_samples_times_context_and_new_tokens_is_limited(coordinator
     )
 
 
-@pytest.mark.xfail(strict=True, reason="coordinator/generation.py does not call check_request_work yet")
 def test_a_text_prompt_counts_its_tokens_once_tokenised(tiny_loaded, tiny_model_dirs, redis_url):
     stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, max_request_tokens=10)
     try:
