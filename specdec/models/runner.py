@@ -82,6 +82,18 @@ class SessionKVCache:
 
 
 @dataclass(frozen=True)
+class StepItem:
+    """One sequence's part of a batched step (`ModelRunner.step`): what `last_logits` takes."""
+
+    session_id: str  # KV-cache key; "" = uncached
+    token_ids: Sequence[int]
+    num_last: int
+    hidden_from: int | None = None
+    input_hidden: torch.Tensor | None = None
+    exact_len: int | None = None
+
+
+@dataclass(frozen=True)
 class LogitsResult:
     logits: torch.Tensor  # [num_last, V] float32 on CPU
     cached_tokens: int  # prefix tokens whose keys/values came from the cache
@@ -248,6 +260,18 @@ class ModelRunner:
                 entry.exact_len = len(token_ids) if exact_len is None else exact_len
                 self.cache.put(session_id, entry)
             return LogitsResult(logits, reuse, hidden)
+
+    def step(self, items: Sequence[StepItem]) -> list[LogitsResult]:
+        """`last_logits` for each item (distinct session ids), as one batched step of the model.
+
+        The contract the scheduler relies on: each result is what `last_logits` would return for
+        that item alone, up to floating-point noise of batched kernels, and each session's cache
+        ends as `last_logits` would leave it.
+        """
+        return [
+            self.last_logits(i.session_id, i.token_ids, i.num_last, i.hidden_from, i.input_hidden, i.exact_len)
+            for i in items
+        ]
 
     def _take_entry(
         self, session_id: str, token_ids: list[int], num_last: int, hidden_from: int | None
