@@ -14,6 +14,9 @@ PREFIX = "specdec:faults-target"
 PROMPT = [3, 1, 4, 1, 5]
 REQUEST = {"max_new_tokens": 8, "num_speculative_tokens": 2, "temperature": 1.0, "ignore_eos": True}
 VERIFY_TIMEOUT_S = float(harness.COORDINATOR_ENV["VERIFY_TIMEOUT_S"])
+# specdec.rpc.clients: outlier detection counts failures per interval of 2 x the call timeout; the
+# interval that saw the SIGSTOP may hold too many successes, so ejection can take two.
+EJECTION_INTERVAL_S = 2 * VERIFY_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,10 @@ def stack(tiny_model_dirs, pools, redis_url, fault_dir):
 def test_a_hung_target_replica_does_not_fail_new_requests(stack, redis_url):
     """Fault: SIGSTOP of one of the two target processes (SIGCONT in a finally).
     Expect: every new request succeeds and each stored session is what its client received.
-    Until the hung replica is ejected (outlier detection, evaluated every 2 x VERIFY_TIMEOUT_S),
-    a request's rounds each pay at most one timed-out attempt (VERIFY_TIMEOUT_S = 3) and are
-    retried on the other replica; after that, requests run at their usual speed. The replica
+    Until the hung replica is ejected (outlier detection, evaluated every 2 x VERIFY_TIMEOUT_S,
+    within two intervals), a request's rounds each pay at most one timed-out attempt
+    (VERIFY_TIMEOUT_S = 3) and are retried on the other replica; after that, requests run at
+    their usual speed. The replica
     serves again after SIGCONT."""
     hung, coordinator = stack
     with harness.client(coordinator) as client:
@@ -65,7 +69,8 @@ def test_a_hung_target_replica_does_not_fail_new_requests(stack, redis_url):
             f"{sorted(latencies)[len(latencies) // 2]:.2f} s; requests fast again {recovered_s:.1f} s after the "
             f"SIGSTOP; latencies {[round(s, 2) for s in latencies]}"
         )
-        assert max(latencies) <= 5 * VERIFY_TIMEOUT_S
+        assert max(latencies) <= 2 * EJECTION_INTERVAL_S + 2 * VERIFY_TIMEOUT_S
+        assert recovered_s <= 2 * EJECTION_INTERVAL_S + 2 * VERIFY_TIMEOUT_S
         assert all(s < 1.5 for s in latencies[-6:]), "the hung replica was not ejected"
         after = [client.generate(PROMPT, seed=seed, **REQUEST) for seed in range(4)]
         assert all(len(r.completions[0].token_ids) == REQUEST["max_new_tokens"] for r in after)
