@@ -3,11 +3,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specdec.rpc.tls import ServerTlsSettings
 from specdec.settings import setting
 
 
 @dataclass(frozen=True)
-class CoordinatorSettings:
+class CoordinatorSettings(ServerTlsSettings):
     """Coordinator settings (flags, or SPECDEC_COORDINATOR_* env vars)."""
 
     ENV_PREFIX: ClassVar[str] = "SPECDEC_COORDINATOR_"
@@ -26,7 +27,9 @@ class CoordinatorSettings:
     tokenizer: str = setting("smollm2-135m-instruct", "TOKENIZER", "the target's tokenizer: same forms as a model spec")
     session_ttl_s: int = setting(86400, "SESSION_TTL_S", "seconds a session lives after its last update")
     session_lock_ttl_s: int = setting(
-        6, "SESSION_LOCK_TTL_S", "lease of a session lock: renewed every third of it while a call runs, released on exit"
+        6,
+        "SESSION_LOCK_TTL_S",
+        "lease of a session lock: renewed every third of it while a call runs, released on exit",
     )
     session_key_prefix: str = setting("specdec:v1", "SESSION_KEY_PREFIX", "Redis key prefix")
     # Per call, much shorter than a request's: a hung replica costs one timeout, then the call is
@@ -45,13 +48,6 @@ class CoordinatorSettings:
     )
     pool_info_refresh_s: float = setting(
         60.0, "POOL_INFO_REFRESH_S", "seconds between refreshes of the pools' ModelInfo (in the background)"
-    )
-    # TLS: a server certificate turns it on (files re-read when they change, as cert-manager
-    # rotates them); empty keeps plaintext, which only `make run` and tests use.
-    tls_cert_file: str = setting("", "TLS_CERT_FILE", "PEM certificate chain of this server (empty = plaintext)")
-    tls_key_file: str = setting("", "TLS_KEY_FILE", "PEM private key of tls_cert_file")
-    tls_client_ca_file: str = setting(
-        "", "TLS_CLIENT_CA_FILE", "require client certificates signed by this CA (mutual TLS; empty = not required)"
     )
     pool_tls_ca_file: str = setting(
         "", "POOL_TLS_CA_FILE", "CA of the draft and target pools' certificates (set = TLS to the pools)"
@@ -132,10 +128,7 @@ class CoordinatorSettings:
         for name in limits:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("tls_cert_file and tls_key_file go together")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        self.validate_tls()
         if bool(self.pool_tls_cert_file) != bool(self.pool_tls_key_file):
             raise ValueError("pool_tls_cert_file and pool_tls_key_file go together")
         if self.pool_tls_cert_file and not self.pool_tls_ca_file:

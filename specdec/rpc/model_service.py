@@ -17,7 +17,7 @@ from specdec.core.protocols import Deadline
 from specdec.models.layouts import AUTO, LAYOUTS
 from specdec.rpc.metrics import Registry
 from specdec.rpc.server import GrpcServer, build_grpc_server
-from specdec.rpc.tls import TlsFiles
+from specdec.rpc.tls import ServerTlsSettings, TlsFiles
 from specdec.settings import setting
 from specdec.v1 import common_pb2
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ModelServerSettings:
+class ModelServerSettings(ServerTlsSettings):
     """Settings of a model service (draft or target)."""
 
     ENV_PREFIX: ClassVar[str] = "SPECDEC_MODEL_"
@@ -63,11 +63,6 @@ class ModelServerSettings:
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
     )
-    tls_cert_file: str = setting("", "TLS_CERT_FILE", "PEM certificate chain of this server (empty = plaintext)")
-    tls_key_file: str = setting("", "TLS_KEY_FILE", "PEM private key of tls_cert_file")
-    tls_client_ca_file: str = setting(
-        "", "TLS_CLIENT_CA_FILE", "require client certificates signed by this CA (mutual TLS; empty = not required)"
-    )
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
 
@@ -82,10 +77,7 @@ class ModelServerSettings:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("tls_cert_file and tls_key_file go together")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        self.validate_tls()
 
 
 def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: str) -> common_pb2.ModelInfo:

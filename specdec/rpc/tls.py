@@ -19,6 +19,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import grpc
 
+from specdec.settings import setting
+
 log = logging.getLogger(__name__)
 
 
@@ -30,6 +32,26 @@ def read_file(path: str) -> bytes:
 def _signature(paths: tuple[str, ...]) -> tuple:
     """What changes when a file is replaced or rewritten (stat follows the Secret's symlinks)."""
     return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in (os.stat(p) for p in paths))
+
+
+@dataclass(frozen=True)
+class ServerTlsSettings:
+    """The TLS settings every server of the project shares (a base of each service's settings).
+
+    A server certificate turns TLS on (files re-read when they change, as cert-manager rotates
+    them); empty keeps plaintext, which only `make run` and tests use."""
+
+    tls_cert_file: str = setting("", "TLS_CERT_FILE", "PEM certificate chain of this server (empty = plaintext)")
+    tls_key_file: str = setting("", "TLS_KEY_FILE", "PEM private key of tls_cert_file")
+    tls_client_ca_file: str = setting(
+        "", "TLS_CLIENT_CA_FILE", "require client certificates signed by this CA (mutual TLS; empty = not required)"
+    )
+
+    def validate_tls(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
 
 
 @dataclass(frozen=True)
