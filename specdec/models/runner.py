@@ -20,6 +20,7 @@ import torch
 
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
+from specdec.models.ragged import build_batch, ragged_forward, supports_ragged
 
 
 @dataclass
@@ -177,6 +178,39 @@ def _left_padded(sequences: Sequence[Sequence[int]], width: int) -> tuple[torch.
     return input_ids, attention_mask, position_ids
 
 
+def _check_step(items: list[StepItem]) -> None:
+    sessions = [i.session_id for i in items if i.session_id]
+    if len(set(sessions)) != len(sessions):
+        raise ValueError("a step's items must have distinct session ids")
+    for i in items:
+        _check_request(len(i.token_ids), i.num_last, i.hidden_from)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """An item of a ragged step, its entry taken from the cache and cropped to `reuse` positions."""
+
+    item: StepItem
+    entry: _CacheEntry
+    reuse: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.item.token_ids)
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return list(self.item.token_ids[self.reuse :])
+
+    @property
+    def new_rows(self) -> int:
+        return len(self.item.token_ids) - self.reuse
+
+    @property
+    def want_hidden(self) -> bool:
+        return self.item.hidden_from is not None or self.item.input_hidden is not None
+
+
 class ModelRunner:
     """Runs one causal LM; thread-safe (one forward at a time, which is what a CPU wants)."""
 
@@ -200,6 +234,7 @@ class ModelRunner:
         # Picks torch's thread count per forward from measured speed (specdec.models.threads);
         # None: whatever torch is set to.
         self.governor = None
+        self._supports_ragged: bool | None = None  # decided at the first step
 
     def _threads(self, rows: int) -> AbstractContextManager:
         return self.governor.forward(rows) if self.governor is not None else nullcontext()
@@ -249,17 +284,33 @@ class ModelRunner:
             with self._threads(len(token_ids) - reuse):
                 out = self._forward(entry, token_ids[reuse:], fed, num_last, want_hidden)
             logits = out.logits[0, -num_last:].float().cpu()
-            hidden = None
-            if want_hidden:
-                ran = out.hidden_states[-1][0].float().cpu()  # positions [reuse, len), after the final norm
-                hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from)
-            else:
-                entry.hidden = None
-            if session_id:
-                entry.token_ids = token_ids
-                entry.exact_len = len(token_ids) if exact_len is None else exact_len
-                self.cache.put(session_id, entry)
+            # Positions [reuse, len), after the final norm.
+            ran = out.hidden_states[-1][0].float().cpu() if want_hidden else None
+            hidden = self._settle(session_id, entry, token_ids, reuse, hidden_from, exact_len, ran)
             return LogitsResult(logits, reuse, hidden)
+
+    def _settle(
+        self,
+        session_id: str,
+        entry: _CacheEntry,
+        token_ids: list[int],
+        reuse: int,
+        hidden_from: int | None,
+        exact_len: int | None,
+        ran: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Put the extended entry back (a session's) and return the hidden states asked for;
+        `ran`: [len - reuse, H] final hidden states of the positions the forward ran, when wanted."""
+        hidden = None
+        if ran is not None:
+            hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from)
+        else:
+            entry.hidden = None
+        if session_id:
+            entry.token_ids = token_ids
+            entry.exact_len = len(token_ids) if exact_len is None else exact_len
+            self.cache.put(session_id, entry)
+        return hidden
 
     def step(self, items: Sequence[StepItem]) -> list[LogitsResult]:
         """`last_logits` for each item (distinct session ids), as one batched step of the model.
@@ -267,11 +318,77 @@ class ModelRunner:
         The contract the scheduler relies on: each result is what `last_logits` would return for
         that item alone, up to floating-point noise of batched kernels, and each session's cache
         ends as `last_logits` would leave it.
+
+        Two or more items run as one flattened forward (`specdec.models.ragged`): every linear
+        layer over all their new tokens at once, attention per session against its own cache.
+        Items run one by one instead where that forward does not reproduce the model's own
+        (`ragged.supports_ragged`: other architectures, sliding windows, a non-SDPA attention).
+        Every item is checked before any runs: a malformed one raises ValueError, nothing ran.
         """
+        items = list(items)
+        _check_step(items)
+        if len(items) > 1 and self._ragged_ok():
+            return self._ragged_step(items)
         return [
             self.last_logits(i.session_id, i.token_ids, i.num_last, i.hidden_from, i.input_hidden, i.exact_len)
             for i in items
         ]
+
+    def _ragged_ok(self) -> bool:
+        if self._supports_ragged is None:
+            self._supports_ragged = supports_ragged(self.model)
+        # Re-read: a later switch of attention implementation (a GPU path) must not be missed.
+        return self._supports_ragged and self.model.config._attn_implementation == "sdpa"
+
+    @torch.inference_mode()
+    def _ragged_step(self, items: list[StepItem]) -> list[LogitsResult]:
+        with self._lock:
+            # All entries are taken before the forward: one item's put cannot evict another's entry.
+            planned = [
+                _Planned(
+                    item, *self._take_entry(item.session_id, list(item.token_ids), item.num_last, item.hidden_from)
+                )
+                for item in items
+            ]
+            batch = build_batch([p.entry.kv for p in planned], [p.new_rows for p in planned], self.device)
+            keep = torch.cat([torch.arange(s.end - p.item.num_last, s.end) for p, s in zip(planned, batch.segments)])
+            want_hidden = any(p.want_hidden for p in planned)
+            # On an exception the entries (possibly half-updated) are simply not put back.
+            with self._threads(batch.rows):
+                out = ragged_forward(
+                    self.model, batch, keep.to(self.device), want_hidden, **self._ragged_inputs(planned)
+                )
+            logits = out.logits[0].float().cpu()  # [sum of num_last, V], item by item
+            final = out.hidden_states[-1][0].float().cpu() if want_hidden else None  # [T, H]
+            results, first = [], 0
+            for p, seg in zip(planned, batch.segments, strict=True):
+                ran = final[seg.start : seg.end] if p.want_hidden else None
+                item = p.item
+                hidden = self._settle(
+                    item.session_id, p.entry, p.token_ids, p.reuse, item.hidden_from, item.exact_len, ran
+                )
+                results.append(LogitsResult(logits[first : first + item.num_last], p.reuse, hidden))
+                first += item.num_last
+            return results
+
+    def _ragged_inputs(self, planned: list[_Planned]) -> dict[str, torch.Tensor]:
+        """input_ids ([1, T]) of the flattened batch, or inputs_embeds ([1, T, H]) when an item
+        feeds hidden states (a hidden-state draft: `draft_artifact.fused_inputs`)."""
+        ids = torch.tensor([[t for p in planned for t in p.new_tokens]], dtype=torch.long, device=self.device)
+        fed = [None if p.item.input_hidden is None else p.item.input_hidden[p.reuse :] for p in planned]
+        if all(f is None for f in fed):
+            return {"input_ids": ids}
+        if all(f is not None for f in fed):
+            rows = torch.cat([f.to(self.device) for f in fed]).unsqueeze(0)  # [1, T, H]
+            return {"inputs_embeds": fused_inputs(self.model, ids, rows)}
+        # Some items feed hidden states, others tokens alone: each segment embedded its own way.
+        parts, start = [], 0
+        for p, f in zip(planned, fed, strict=True):
+            seg_ids = ids[:, start : start + p.new_rows]  # [1, n]
+            embeds = self.model.get_input_embeddings()(seg_ids)
+            parts.append(embeds if f is None else fused_inputs(self.model, seg_ids, f.to(self.device).unsqueeze(0)))
+            start += p.new_rows
+        return {"inputs_embeds": torch.cat(parts, dim=1)}
 
     def _take_entry(
         self, session_id: str, token_ids: list[int], num_last: int, hidden_from: int | None
