@@ -46,7 +46,8 @@ down:
 	$(PY) scripts/stack.py down
 
 # make bench: workloads x drafters x K x T in process; BENCH_ARGS="--modes grpc,in-process" adds the real
-# stack, --json one object per row; see scripts/bench.py --help.
+# stack, --json one object per row; see scripts/bench.py --help. Under load (concurrent streams or Poisson
+# arrivals, TTFT / ITL percentiles, K=0 vs auto K): $(PY) scripts/serve_bench.py --concurrency 1,4,8.
 bench: install
 	$(PY) scripts/bench.py $(BENCH_ARGS)
 

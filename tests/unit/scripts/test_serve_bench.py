@@ -1,0 +1,282 @@
+"""scripts/serve_bench.py: its statistics (percentiles, a seeded Poisson schedule, TTFT / ITL from
+chunk times, rows pooled over repeats, ratios), its closed and open loops' concurrency, and one run
+end to end against the real gRPC services (tiny models, in process) that produces every row."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import serve_bench
+from serve_bench import LevelRun, Load, RequestResult
+
+ROW_FIELDS = {
+    "type", "k", "load", "concurrency", "request_rate", "max_concurrency", "repeats", "requests", "errors",
+    "error_codes", "tokens", "seconds", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs",
+    "per_stream_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
+    "itl_ms_p90", "itl_ms_p99", "latency_ms_p50", "acceptance_rate", "tokens_per_round", "base", "ratio_vs_base",
+    "ratio_vs_base_min", "ratio_vs_base_max", "ratio_vs_k0",
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+@pytest.mark.parametrize("values", [[3.0], [5.0, 1.0], [0.4, 2.5, 9.0, 1.0, 7.5, 3.3, 2.2]])
+@pytest.mark.parametrize("q", [0, 50, 90, 99, 100])
+def test_percentile_matches_numpys_linear_interpolation(values, q):
+    assert serve_bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_of_nothing_is_none():
+    assert serve_bench.percentile([], 50) is None
+
+
+def test_poisson_schedule_is_seeded_with_exponential_gaps_of_mean_one_over_rate():
+    schedule = serve_bench.poisson_schedule(4.0, 4000, seed=7)
+    assert schedule == serve_bench.poisson_schedule(4.0, 4000, seed=7)
+    assert schedule != serve_bench.poisson_schedule(4.0, 4000, seed=8)
+    gaps = np.diff([0.0, *schedule])
+    assert len(schedule) == 4000 and (gaps >= 0).all()
+    # Exponential: mean = sd = 1/rate (each within 5%: ~3 standard errors at n = 4000).
+    assert gaps.mean() == pytest.approx(0.25, rel=0.05) and gaps.std() == pytest.approx(0.25, rel=0.05)
+    assert serve_bench.poisson_schedule(float("inf"), 3, seed=0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        serve_bench.poisson_schedule(0.0, 3, seed=0)
+
+
+def test_ttft_is_the_first_token_chunk_and_itl_is_per_token():
+    # A first chunk of 2 tokens at 0.5 s, then 1 token 0.2 s later, then 3 tokens 0.6 s after that.
+    ttft, itls = serve_bench.chunk_latencies([(0.5, 2), (0.7, 1), (1.3, 3)])
+    assert ttft == 0.5
+    assert itls == pytest.approx([0.2, 0.2, 0.2, 0.2])
+    assert serve_bench.chunk_latencies([]) == (None, [])
+    assert serve_bench.chunk_latencies([(0.1, 4)]) == (0.1, [])
+
+
+def _result(tokens: int, latency: float, ttft: float, itl: float, rounds: int, drafted: int, accepted: int):
+    return RequestResult(latency, ttft, (itl,) * (tokens - 1), tokens, rounds, drafted, accepted, "s")
+
+
+def test_rows_pool_the_repeats_of_one_k_and_load():
+    runs = [
+        LevelRun([_result(10, 2.0, 0.2, 0.2, 5, 8, 5), RequestResult(0.1, error="RESOURCE_EXHAUSTED")], 2.0),
+        LevelRun([_result(10, 1.0, 0.1, 0.1, 4, 8, 6), _result(10, 1.0, 0.3, 0.1, 4, 8, 6)], 2.0),
+    ]
+    row = serve_bench.aggregate("auto", Load(concurrency=2), runs)
+    assert row["load"] == "c=2" and row["k"] == "auto" and row["repeats"] == 2
+    assert row["requests"] == 3 and row["errors"] == 1 and row["error_codes"] == {"RESOURCE_EXHAUSTED": 1}
+    assert row["tokens"] == 30 and row["seconds"] == 4.0
+    assert row["aggregate_tokens_per_s"] == 7.5 and row["aggregate_tokens_per_s_runs"] == [5.0, 10.0]
+    assert row["per_stream_tokens_per_s"] == pytest.approx((5 + 10 + 10) / 3)
+    assert row["request_throughput"] == 0.75
+    assert row["acceptance_rate"] == pytest.approx(17 / 24) and row["tokens_per_round"] == pytest.approx(30 / 13)
+    assert row["ttft_ms_p50"] == pytest.approx(200) and row["ttft_ms_p99"] == pytest.approx(298)
+    assert row["itl_ms_p50"] == pytest.approx(100) and row["itl_ms_p99"] == pytest.approx(200)
+    assert row["latency_ms_p50"] == pytest.approx(1000)
+
+
+def test_a_level_of_only_errors_still_makes_a_row():
+    row = serve_bench.aggregate(0, Load(rate=2.0), [LevelRun([RequestResult(0.1, error="UNAVAILABLE")], 0.1)])
+    assert row["requests"] == 0 and row["errors"] == 1 and row["aggregate_tokens_per_s"] == 0.0
+    assert row["ttft_ms_p50"] is None and row["acceptance_rate"] is None and row["load"] == "r=2"
+
+
+def _row(k, load: str, runs: list[float]) -> dict:
+    return {"k": k, "load": load, "aggregate_tokens_per_s": statistics.mean(runs), "aggregate_tokens_per_s_runs": runs}
+
+
+def test_ratios_to_the_first_level_of_the_same_k_and_to_k0_of_the_same_level():
+    rows = serve_bench.add_ratios(
+        [
+            _row(0, "c=1", [10, 12]),
+            _row("auto", "c=1", [20, 20]),
+            _row(0, "c=4", [30, 24]),
+            _row("auto", "c=4", [40, 40]),
+        ]
+    )
+    by = {(r["k"], r["load"]): r for r in rows}
+    assert by[(0, "c=4")]["ratio_vs_base"] == pytest.approx(27 / 11) and by[(0, "c=4")]["base"] == "c=1"
+    assert (by[(0, "c=4")]["ratio_vs_base_min"], by[(0, "c=4")]["ratio_vs_base_max"]) == (2.0, 3.0)
+    assert by[("auto", "c=4")]["ratio_vs_base"] == 2.0 and by[("auto", "c=1")]["ratio_vs_base"] == 1.0
+    assert by[("auto", "c=1")]["ratio_vs_k0"] == pytest.approx(20 / 11) and by[(0, "c=1")]["ratio_vs_k0"] == 1.0
+
+
+def test_every_load_and_k_runs_once_per_repeat_with_the_k_order_rotated():
+    loads = [Load(concurrency=1), Load(concurrency=4)]
+    order = serve_bench.schedule_order([0, "auto"], loads, repeats=2)
+    assert sorted((r, load.concurrency, str(k)) for r, load, k in order) == sorted(
+        (r, c, str(k)) for r in range(2) for c in (1, 4) for k in (0, "auto")
+    )
+    firsts = [k for i, (_, _, k) in enumerate(order) if i % 2 == 0]
+    assert firsts == [0, "auto", "auto", 0]
+
+
+def test_default_request_counts():
+    assert Load(concurrency=1).default_requests() == 4 and Load(concurrency=8).default_requests() == 16
+    assert Load(rate=2.0).default_requests() == 20 and Load(rate=0.1).default_requests() == 4
+    plan = serve_bench.build_plan(serve_bench.parse_args(["--request-rate", "2", "--duration", "3", "--seed", "1"]))
+    arrivals = plan.arrivals(plan.loads[0])
+    assert arrivals and max(arrivals) < 3 and plan.requests_for(plan.loads[0]) is None
+    capped = serve_bench.build_plan(serve_bench.parse_args(["--request-rate", "inf", "--max-concurrency", "3"]))
+    assert capped.peak_streams() == 3
+    assert serve_bench.build_plan(serve_bench.parse_args(["--concurrency", "2,16"])).peak_streams() == 16
+
+
+# ------------------------------------------------------------------ the loops
+
+
+class InFlight:
+    """A fake request that takes `seconds` and records how many ran at once and when each started."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.now, self.peak, self.starts = seconds, 0, 0, []
+        self.lock = threading.Lock()
+
+    def __call__(self, i: int) -> RequestResult:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.starts.append((i, time.perf_counter()))
+        time.sleep(self.seconds)
+        with self.lock:
+            self.now -= 1
+        return RequestResult(self.seconds, self.seconds, (), 1)
+
+
+def test_closed_loop_keeps_n_streams_in_flight_until_the_count():
+    send = InFlight(0.05)
+    run = serve_bench.run_closed_loop(send, concurrency=4, requests=10, duration_s=None)
+    assert len(run.results) == 10 and send.peak == 4
+    assert sorted(i for i, _ in send.starts) == list(range(10))
+    # 10 requests on 4 streams take 3 request times (4 + 4 + 2); one after the other, 10.
+    assert 0.15 <= run.seconds < 0.5
+
+
+def test_closed_loop_stops_starting_requests_after_the_duration():
+    send = InFlight(0.05)
+    called = time.perf_counter()
+    run = serve_bench.run_closed_loop(send, concurrency=2, requests=None, duration_s=0.2)
+    assert 4 <= len(run.results) <= 10 and send.peak == 2
+    assert all(t - called < 0.2 for _, t in send.starts) and run.seconds >= 0.2
+
+
+def test_open_loop_sends_on_schedule_and_caps_the_streams_in_flight():
+    send = InFlight(0.1)
+    schedule = [0.0, 0.0, 0.0, 0.05, 0.3]
+    called = time.perf_counter()
+    run = serve_bench.run_open_loop(send, schedule, max_concurrency=2)
+    assert len(run.results) == 5 and send.peak == 2
+    assert dict(send.starts)[4] - called >= 0.3  # the fifth arrival waited for its time
+    assert run.seconds >= 0.4  # ... and the level lasted until it ended
+    unbounded = InFlight(0.1)
+    serve_bench.run_open_loop(unbounded, [0.0] * 5)
+    assert unbounded.peak == 5
+
+
+class FakeRpcError(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FakeClient:
+    """client.stream: two token chunks, then the final chunk with stats; or an error after the first."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def stream(self, prompt, **kwargs):
+        yield SimpleNamespace(token_ids=[1, 2], session_id="s1", done=False, stats=None)
+        if self.fail:
+            raise FakeRpcError()
+        time.sleep(0.01)
+        yield SimpleNamespace(token_ids=[3], session_id="s1", done=False, stats=None)
+        stats = SimpleNamespace(rounds=2, drafted_tokens=3, accepted_tokens=1)
+        yield SimpleNamespace(token_ids=[], session_id="s1", done=True, stats=stats)
+
+
+def test_stream_one_times_chunks_and_reads_the_final_stats():
+    result = serve_bench.stream_one(FakeClient(), "hi", max_new_tokens=3)
+    assert result.tokens == 3 and result.rounds == 2 and result.drafted == 3 and result.accepted == 1
+    assert result.session_id == "s1" and not result.error
+    assert len(result.itl_s) == 1 and result.itl_s[0] >= 0.01 and result.ttft_s <= result.latency_s
+    failed = serve_bench.stream_one(FakeClient(fail=True), "hi")
+    assert failed.error == "RESOURCE_EXHAUSTED" and failed.session_id == "s1"
+
+
+# ------------------------------------------------------------------ options and the stack's environment
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--concurrency", "1", "--request-rate", "2"], "not both"),
+        (["--concurrency", "0,4"], "must be > 0"),
+        (["--max-concurrency", "4"], "caps --request-rate"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--ks", "1,x"], "K must be"),
+        (["--drafter", "ngarm"], "unknown drafter"),
+    ],
+)
+def test_bad_options_are_clear_errors(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        serve_bench.main(argv)
+
+
+def test_a_started_stack_admits_the_streams_in_flight_unless_the_environment_says(monkeypatch):
+    args = serve_bench.parse_args([])
+    drafter = serve_bench.bench.parse_drafter("suffix", args.draft)
+    env = serve_bench.stack_env(args, drafter, peak_streams=40)
+    assert env["SPECDEC_DRAFT_MODEL"] == "suffix" and env["SPECDEC_COORDINATOR_METRICS_PORT"] == "0"
+    assert env["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "40" and env["SPECDEC_TARGET_MAX_WORKERS"] == "48"
+    assert serve_bench.stack_env(args, drafter, 4)["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "12"
+    monkeypatch.setenv("SPECDEC_TARGET_MAX_CONCURRENT_REQUESTS", "5")
+    assert serve_bench.stack_env(args, drafter, 40)["SPECDEC_TARGET_MAX_CONCURRENT_REQUESTS"] == "5"
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def _sessions(redis_url: str) -> set[bytes]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return set(client.scan_iter("specdec:v1:session:*"))
+    finally:
+        client.close()
+
+
+def test_rows_for_every_k_and_level_through_the_real_services(tiny_stack, tmp_path, capsys):
+    before = _sessions(tiny_stack.redis_url)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"workload": "w", "prompt": p}) + "\n" for p in ("a b c a b", "c d e f")))
+    argv = ["--address", tiny_stack.coordinator_address, "--no-chat", "--prompts", str(prompts)]
+    argv += ["--concurrency", "1,3", "--ks", "2,auto", "--num-prompts", "3", "--max-new-tokens", "6"]
+    assert serve_bench.main([*argv, "--temperature", "1", "--json"]) == 0
+    objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    run, rows = objects[0], objects[1:]
+    assert run["type"] == "run" and run["ks"] == [0, 2, "auto"] and run["loads"] == ["c=1", "c=3"]
+    assert {(r["k"], r["load"]) for r in rows} == {(k, c) for k in (0, 2, "auto") for c in ("c=1", "c=3")}
+    for r in rows:
+        assert set(r) == ROW_FIELDS and r["type"] == "row"
+        assert r["errors"] == 0 and r["requests"] == 3 and r["tokens"] == 18  # ignore_eos: exactly 6 each
+        assert r["aggregate_tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"]
+        assert r["base"] == "c=1" and r["ratio_vs_base"] > 0 and r["ratio_vs_k0"] > 0
+        if r["k"] == 0:
+            assert r["acceptance_rate"] is None and r["tokens_per_round"] == 1.0
+        else:
+            assert 0 <= r["acceptance_rate"] <= 1 and r["tokens_per_round"] >= 1.0
+    assert _sessions(tiny_stack.redis_url) <= before  # each level's sessions deleted
