@@ -514,6 +514,7 @@ def private_stack(env: dict[str, str]) -> Iterator[str]:
     from specdec.local_redis import free_port
 
     run_dir = stack.ROOT / ".run" / f"serve-bench-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)  # stack.up() makes only the last level
     names = ("RUN_DIR", "STATE", "COORDINATOR_PORT", "DRAFT_PORT", "TARGET_PORT")
     saved = {name: getattr(stack, name) for name in names}
     stack.RUN_DIR, stack.STATE = run_dir, run_dir / "stack.json"

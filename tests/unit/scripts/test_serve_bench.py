@@ -5,6 +5,7 @@ end to end against the real gRPC services (tiny models, in process) that produce
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import threading
@@ -244,6 +245,27 @@ def test_a_started_stack_admits_the_streams_in_flight_unless_the_environment_say
     assert serve_bench.stack_env(args, drafter, 4)["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "12"
     monkeypatch.setenv("SPECDEC_TARGET_MAX_CONCURRENT_REQUESTS", "5")
     assert serve_bench.stack_env(args, drafter, 40)["SPECDEC_TARGET_MAX_CONCURRENT_REQUESTS"] == "5"
+
+
+def test_a_private_stack_has_its_own_state_ports_and_run_dir_and_restores_stacks(monkeypatch, tmp_path):
+    """stack.up / down stubbed: what they would see, and that `make up`'s globals come back."""
+    stack = serve_bench.stack
+    monkeypatch.setattr(stack, "ROOT", tmp_path)  # .run does not exist yet
+    saved = (stack.RUN_DIR, stack.STATE, stack.COORDINATOR_PORT)
+    seen = {}
+
+    def up():
+        seen.update(run_dir=stack.RUN_DIR, state=stack.STATE, port=stack.COORDINATOR_PORT, env=dict(os.environ))
+        assert stack.RUN_DIR.is_dir()
+        return {"coordinator": f"127.0.0.1:{stack.COORDINATOR_PORT}"}
+
+    monkeypatch.setattr(stack, "up", up)
+    monkeypatch.setattr(stack, "down", lambda: seen.setdefault("down", True))
+    with serve_bench.private_stack({"SPECDEC_X_TEST": "1"}) as address:
+        assert address == f"127.0.0.1:{seen['port']}"
+    assert seen["run_dir"].parent == tmp_path / ".run" and seen["state"].parent == seen["run_dir"]
+    assert seen["port"] != saved[2] and seen["env"]["SPECDEC_X_TEST"] == "1" and seen["down"]
+    assert (stack.RUN_DIR, stack.STATE, stack.COORDINATOR_PORT) == saved and "SPECDEC_X_TEST" not in os.environ
 
 
 # ------------------------------------------------------------------ end to end
