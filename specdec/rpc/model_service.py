@@ -63,6 +63,15 @@ class ModelServerSettings(ServerTlsSettings):
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
     )
+    # specdec.models.static_runner: the eager forward is launch-bound on a GPU (a draft costs ~0.9 of its target).
+    compile: str = setting(
+        "auto",
+        "COMPILE",
+        "cached forwards on a static KV cache with torch.compile (CUDA graphs on CUDA): auto (on with CUDA) | on | off",
+    )
+    static_cache_len: int = setting(
+        4096, "STATIC_CACHE_LEN", "compile: positions of the static KV cache (longer sequences run eagerly)"
+    )
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
 
@@ -73,6 +82,8 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"linear_layout must be auto or one of {', '.join(LAYOUTS)}, got {self.linear_layout!r}")
         if not 0 <= self.calibrate_max_rows <= 64:
             raise ValueError(f"calibrate_max_rows must be in [0, 64], got {self.calibrate_max_rows}")
+        if self.compile not in ("auto", "on", "off") or self.static_cache_len < 1:
+            raise ValueError(f"compile must be auto, on or off (got {self.compile!r}) and static_cache_len >= 1")
         if self.max_draft_tokens < 1 or self.max_batch_sequences < 1 or self.max_workers < 1:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
@@ -165,13 +176,17 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     from specdec.models.calibration import plan_layouts
     from specdec.models.loading import load_causal_lm
     from specdec.models.openmp_env import available_cpus
-    from specdec.models.runner import ModelRunner, SessionKVCache
+    from specdec.models.runner import SessionKVCache
     from specdec.models.sources import load_tokenizer
+    from specdec.models.static_runner import make_runner
     from specdec.models.threads import ThreadGovernor, thread_candidates
 
     model, source = load_causal_lm(settings.model, settings.dtype, settings.device)
     tokenizer = load_tokenizer(settings.model)
-    runner = ModelRunner(model, SessionKVCache(settings.cache_max_entries, settings.cache_max_tokens))
+    cache = SessionKVCache(settings.cache_max_entries, settings.cache_max_tokens)
+    # Static cache + compiled forwards where settings.compile says so (auto: on CUDA); compiled
+    # lazily, so the calibration below compiles the buckets it measures (a warm-up on CUDA).
+    runner = make_runner(model, cache, settings.compile, settings.static_cache_len)
     threads = settings.torch_threads or available_cpus()
     runner.on_model_thread(torch.set_num_threads, threads)  # OpenMP reads it per calling thread
     costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)
