@@ -226,3 +226,26 @@ def test_segment_masks_are_the_solo_forwards(tiny_loaded):
     mask = batch.segments[2].mask  # [1, 1, 3, 8]
     assert mask[0, 0].int().tolist() == [[1] * 6 + [0, 0], [1] * 7 + [0], [1] * 8]
     assert RAGGED_ATTENTION not in (config._attn_implementation,)
+
+
+def test_a_failed_step_drops_its_sessions_and_restores_the_model(tiny_loaded):
+    """Mid-forward the sessions' caches are half extended: they are not put back, the others stay."""
+    model = tiny_loaded["target"].runner.model
+    runner, fresh = _runner(model), _runner(model)
+    _warm(runner)
+    runner.last_logits("bystander", [1, 2, 3], 1)
+
+    def fail(*_):
+        raise RuntimeError("injected")
+
+    handle = model.model.layers[-1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            runner.step(MIXED)
+    finally:
+        handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+    assert runner.cache.token_ids("decode") is None and runner.cache.token_ids("verify") is None
+    assert runner.cache.token_ids("bystander") == [1, 2, 3]
+    for got, item in zip(runner.step(MIXED), MIXED, strict=True):
+        torch.testing.assert_close(got.logits, _solo(fresh, item).logits, atol=ATOL, rtol=0)

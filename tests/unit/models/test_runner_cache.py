@@ -100,3 +100,26 @@ def test_continuing_after_a_turn_cut_mid_round_matches_recompute(tiny_loaded):
         torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cached.hidden, fresh.hidden, atol=1e-5, rtol=1e-5)
         assert cached.cached_tokens == len(context) + kept  # the whole common prefix, nothing past it
+
+
+def test_last_logits_and_batch_forward_are_unchanged_by_batched_steps(tiny_loaded):
+    """A step switches the model to ragged attention only while it runs: the other paths compute
+    bit for bit what they computed before any step."""
+    from specdec.models.runner import StepItem
+
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+
+    def outputs():
+        solo = runner.last_logits("", [1, 2, 3, 4, 5], 3, hidden_from=1)
+        batch = runner.batch_forward([[1, 2, 3], [4, 5, 6, 7, 1]], [1, 2])
+        return [solo.logits, solo.hidden, *(r.logits for r in batch)]
+
+    before = outputs()
+    runner.step([StepItem("a", [1, 2, 3, 4], 2), StepItem("b", [5, 6], 1, hidden_from=0)])
+    for old, new in zip(before, outputs(), strict=True):
+        assert torch.equal(old, new)
+    # A cached session continues through last_logits from where the step left it.
+    result = runner.last_logits("a", [1, 2, 3, 4, 7], 1)
+    assert result.cached_tokens == 4
+    torch.testing.assert_close(result.logits, _full_logits(model, [1, 2, 3, 4, 7], 1), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,129 @@
+"""What a batched `ModelRunner.step` buys over running its items one by one (issue 13).
+
+Loads the default target (specdec.models.sources.DEFAULT_MODEL) as the target service does
+(`load_model`: calibrated matmul layouts, the thread governor), gives each of 16 sessions a cached
+prefix of --context random tokens, then per repeat, interleaved so that drift hits both alike:
+
+  step N x 1      one `step` of N sessions each decoding 1 token after its prefix (N = --sizes)
+  loop N x 1      the same items as N `last_logits` calls one after the other
+  mixed           4 decodes + 4 verifies of 5 new tokens (num_last = 5) as one step, and looped
+
+Every item rolls back to its prefix (the new tokens differ each repeat), so every repeat runs the
+same work on ~context cached positions. Reports the median ms of each, and the speedup (loop ms /
+step ms, i.e. the ratio of aggregate tokens/s) with its interquartile range over repeats; and the
+largest |batched - solo| logit seen, a check that the step computed the same thing.
+
+  python scripts/step_bench.py                       sizes 1,2,4,8,16, 300 cached tokens, 10 repeats
+  python scripts/step_bench.py --sizes 8 --repeats 30 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from specdec.models.runner import ModelRunner, StepItem
+
+SESSIONS = 16
+
+
+def _load(threads: int, calibrate_max_rows: int) -> ModelRunner:
+    from specdec.models.sources import DEFAULT_MODEL
+    from specdec.rpc.model_service import load_model
+    from specdec.settings import load_settings
+    from target_service.settings import TargetSettings
+
+    settings = load_settings(
+        TargetSettings, [], {}, model=DEFAULT_MODEL, torch_threads=threads, calibrate_max_rows=calibrate_max_rows
+    )
+    return load_model(settings, "target").runner
+
+
+def _timed(fn) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+class Bench:
+    def __init__(self, runner: ModelRunner, context: int, seed: int):
+        self.runner = runner
+        self.rng = np.random.default_rng(seed)
+        vocab = runner.vocab_size
+        self.prefix = {f"bench-{i}": self.rng.integers(0, vocab, size=context).tolist() for i in range(SESSIONS)}
+        for session, tokens in self.prefix.items():
+            runner.on_model_thread(runner.last_logits, session, tokens, 1)
+        self.max_diff = 0.0
+
+    def items(self, sessions: int, new: int, num_last: int, start: int = 0) -> list[StepItem]:
+        names = sorted(self.prefix)[start : start + sessions]
+        return [
+            StepItem(s, self.prefix[s] + self.rng.integers(0, self.runner.vocab_size, size=new).tolist(), num_last)
+            for s in names
+        ]
+
+    def compare(self, items: list[StepItem]) -> tuple[float, float]:
+        """(seconds of one step, seconds of the items one by one); the same items, so both roll back."""
+        runner = self.runner
+        step_s, batched = _timed(lambda: runner.on_model_thread(runner.step, items))
+        loop_s, solo = _timed(lambda: [runner.on_model_thread(runner.step, [i])[0] for i in items])
+        for b, s in zip(batched, solo, strict=True):
+            self.max_diff = max(self.max_diff, float((b.logits - s.logits).abs().max()))
+        return step_s, loop_s
+
+
+def _report(name: str, tokens: int, pairs: list[tuple[float, float]]) -> None:
+    step_ms = statistics.median(s for s, _ in pairs) * 1e3
+    loop_ms = statistics.median(loop for _, loop in pairs) * 1e3
+    ratios = sorted(loop / s for s, loop in pairs)
+    q1, q3 = np.percentile(ratios, [25, 75])
+    print(
+        f"{name:<16} {step_ms:9.1f} {loop_ms:9.1f} {tokens / step_ms * 1e3:11.1f} {tokens / loop_ms * 1e3:11.1f}"
+        f"   {statistics.median(ratios):5.2f}x [{q1:.2f}-{q3:.2f}]",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,2,4,8,16", help="sessions per decode step")
+    parser.add_argument("--context", type=int, default=300, help="cached tokens per session")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the governor chooses, as served)")
+    parser.add_argument("--calibrate-max-rows", type=int, default=9, help="as the service setting")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if max(sizes) > SESSIONS:
+        parser.error(f"at most {SESSIONS} sessions per step")
+
+    loaded_at = time.perf_counter()
+    runner = _load(args.threads, args.calibrate_max_rows)
+    bench = Bench(runner, args.context, args.seed)
+    print(f"loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s; ragged: {runner._ragged_ok()}")
+    for _ in range(2):  # warm every shape once
+        for n in sizes:
+            bench.compare(bench.items(n, 1, 1))
+        bench.compare(bench.items(4, 1, 1) + bench.items(4, 5, 5, start=4))
+    decode: dict[int, list] = {n: [] for n in sizes}
+    mixed: list = []
+    for _ in range(args.repeats):
+        for n in sizes:
+            decode[n].append(bench.compare(bench.items(n, 1, 1)))
+        mixed.append(bench.compare(bench.items(4, 1, 1) + bench.items(4, 5, 5, start=4)))
+
+    print(f"\n{'':<16} {'step ms':>9} {'loop ms':>9} {'step rows/s':>11} {'loop rows/s':>11}   speedup [IQR]")
+    for n in sizes:
+        _report(f"{n} x 1 decode", n, decode[n])
+    _report("4x1 + 4x5 mixed", 4 + 4 * 5, mixed)
+    print(
+        f"\nmax |step - solo| logit: {bench.max_diff:.2e}; threads now {runner.on_model_thread(torch.get_num_threads)}; {args.repeats} repeats"
+    )
+
+
+if __name__ == "__main__":
+    main()
