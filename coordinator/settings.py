@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specdec.rpc.server import MIN_KEEPALIVE_S
 from specdec.rpc.tls import ServerTlsSettings
 from specdec.settings import setting
 
@@ -124,6 +125,8 @@ class CoordinatorSettings(ServerTlsSettings):
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
         if self.sample_batch_size < 1 or self.max_num_samples < 1:
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")
+        if self.keepalive_s and self.keepalive_s < MIN_KEEPALIVE_S:
+            raise ValueError(f"keepalive_s must be 0 (off) or >= {MIN_KEEPALIVE_S} (what the pools accept)")
         limits = ("max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_request_tokens", "call_attempts")
         for name in limits:
             if getattr(self, name) < 1:

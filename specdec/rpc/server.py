@@ -34,6 +34,17 @@ def connection_age_options(max_connection_age_s: float) -> list[tuple[str, int]]
     return [("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", age_ms)]
 
 
+# Accept the keepalive pings clients send between calls (the coordinator's pool channels: every
+# KEEPALIVE_S, at least MIN_KEEPALIVE_S): by default a server takes a ping without a call in
+# flight as abuse and closes the connection (GOAWAY too_many_pings), so idle pool channels dropped.
+MIN_KEEPALIVE_S = 1.0
+KEEPALIVE_SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Half the shortest client interval: pings sent on time must never arrive "too early".
+    ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 500)),
+]
+
+
 @dataclass
 class GrpcServer:
     server: grpc.Server
@@ -80,7 +91,8 @@ def build_grpc_server(
         # is shutting down: "connection refused" for a fraction of clients).
         options=[("grpc.so_reuseport", 0)]
         + grpc_message_options(max_message_mb)
-        + connection_age_options(max_connection_age_s),
+        + connection_age_options(max_connection_age_s)
+        + KEEPALIVE_SERVER_OPTIONS,
         interceptors=[MetricsInterceptor(registry, metrics_label, max_concurrent_requests)],
     )
     register(server)
