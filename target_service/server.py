@@ -19,7 +19,7 @@ from specdec.rpc.model_service import (
 from specdec.rpc.wire import sampling_from_proto, verify_response
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.settings import TargetSettings
-from target_service.verifier import verify
+from target_service.verifier import verify_scheduled
 
 
 class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
@@ -52,9 +52,9 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         runner, requests = self.loaded.runner, self._requests(request)
-        # No forward once the caller has gone, even after waiting for the model thread.
-        results = runner.on_model_thread(verify, runner, requests, sampling, CallDeadline.of(context))
-        return verify_response(results)
+        # The sequences join the model's scheduler (batched with other calls' sequences); none
+        # runs once the caller has gone, even after waiting for its step.
+        return verify_response(verify_scheduled(runner, requests, sampling, CallDeadline.of(context)))
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802

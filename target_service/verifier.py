@@ -1,12 +1,13 @@
 """Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K.
 
-`verify` is what the target service runs; `LocalVerifier` is the same function as the engine's
-Verifier in one process (no server).
+`verify_task` is one sequence's work as a scheduler task (`specdec.models.scheduler`);
+`verify_scheduled` runs a call's sequences on the model's scheduler (the target service,
+`LocalVerifier` in-process), `verify` on the calling thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -14,43 +15,52 @@ import torch
 
 from specdec.core.protocols import NO_DEADLINE, Deadline, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling
-from specdec.models.runner import ModelRunner
+from specdec.models.runner import LogitsResult, ModelRunner, StepItem
+from specdec.models.scheduler import SessionTask, Task, run_tasks, scheduler_for
 from specdec.models.warping import to_wire, warp_logits
+
+
+def verify_task(request: VerifyRequest) -> Task:
+    """One sequence's forward over prefix + drafts (a scheduler task of one step); it receives
+    (its laws [K+1, V] float32 as sent, the LogitsResult) from `verify_laws`."""
+    probs, result = yield StepItem(
+        request.cache_key,
+        request.prefix_token_ids + request.draft_token_ids,
+        len(request.draft_token_ids) + 1,
+        hidden_from=request.hidden_from,
+    )
+    hidden = result.hidden.numpy() if result.hidden is not None else None  # [len - hidden_from, H]
+    return VerifyResult(probs, result.cached_tokens, hidden)
+
+
+def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple[np.ndarray, LogitsResult]]]:
+    """A call's post-processing of one step: every sequence's logits warped at once."""
+
+    def prepare(results: list[LogitsResult]) -> list[tuple[np.ndarray, LogitsResult]]:
+        probs = to_wire(warp_logits(torch.cat([r.logits for r in results]), sampling))  # [sum(K+1), V]
+        bounds = np.cumsum([0, *(r.logits.shape[0] for r in results)])
+        return [(probs[bounds[i] : bounds[i + 1]], r) for i, r in enumerate(results)]
+
+    return prepare
+
+
+def _tasks(requests: Sequence[VerifyRequest]) -> list[SessionTask]:
+    return [(r.cache_key, verify_task(r)) for r in requests]
 
 
 def verify(
     runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline = NO_DEADLINE
 ) -> list[VerifyResult]:
-    """One forward over all sequences; none if `deadline` has passed (or the caller left) while
-    the call waited for the model thread."""
-    deadline.check()
-    if len(requests) == 1:
-        request = requests[0]
-        result = runner.last_logits(
-            request.cache_key,
-            request.prefix_token_ids + request.draft_token_ids,
-            len(request.draft_token_ids) + 1,
-            hidden_from=request.hidden_from,
-        )
-        hidden = result.hidden.numpy() if result.hidden is not None else None
-        return [VerifyResult(to_wire(warp_logits(result.logits, sampling)), result.cached_tokens, hidden)]
-    num_last = [len(r.draft_token_ids) + 1 for r in requests]
-    want_hidden = any(r.hidden_from is not None for r in requests)
-    results = runner.batch_forward(
-        [r.prefix_token_ids + r.draft_token_ids for r in requests],
-        num_last,
-        hidden_from=[r.hidden_from or 0 for r in requests] if want_hidden else None,
-    )
-    probs = to_wire(warp_logits(torch.cat([r.logits for r in results]), sampling))
-    bounds = np.cumsum([0, *num_last])
-    return [
-        VerifyResult(
-            probs[bounds[i] : bounds[i + 1]],
-            0,
-            results[i].hidden.numpy() if request.hidden_from is not None else None,
-        )
-        for i, request in enumerate(requests)
-    ]
+    """One forward per sequence on this thread, the sequences in one step (direct calls)."""
+    return run_tasks(runner, _tasks(requests), deadline, verify_laws(sampling))
+
+
+def verify_scheduled(
+    runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline
+) -> list[VerifyResult]:
+    """The sequences on the model's scheduler, batched with every other call's; none runs once
+    `deadline` has passed (or the caller left) while it waited."""
+    return scheduler_for(runner).run(_tasks(requests), deadline, verify_laws(sampling))
 
 
 class LocalVerifier:
@@ -61,7 +71,7 @@ class LocalVerifier:
 
     def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
         deadline.check()
-        results = self.runner.on_model_thread(verify, self.runner, list(requests), sampling, deadline)
+        results = verify_scheduled(self.runner, list(requests), sampling, deadline)
         # Hidden states as the wire carries them (float16), so a hidden-state draft reads the
         # same numbers in both modes.
         return [r if r.hidden is None else replace(r, hidden=r.hidden.astype(np.float16)) for r in results]

@@ -47,6 +47,18 @@ class ModelServerSettings(ServerTlsSettings):
     max_concurrent_requests: int = setting(
         24, "MAX_CONCURRENT_REQUESTS", "calls admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
     )
+    # Iteration-level batching (specdec.models.scheduler): the sequences of concurrent calls share steps.
+    batch_wait_ms: float = setting(
+        2.0, "BATCH_WAIT_MS", "longest a new call waits for other sessions' calls to share its first step (0 = never)"
+    )
+    max_batch_tokens: int = setting(
+        2048, "MAX_BATCH_TOKENS", "most new tokens in one batched step (a larger single sequence runs alone)"
+    )
+    max_queued_sequences: int = setting(
+        16384,
+        "MAX_QUEUED_SEQUENCES",
+        "sequences admitted and not finished; more get RESOURCE_EXHAUSTED (>= max_batch_sequences)",
+    )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
     max_connection_age_s: float = setting(
         300.0, "MAX_CONNECTION_AGE_S", "close client connections after this age so new pods get traffic (0 = never)"
@@ -86,6 +98,10 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"compile must be auto, on or off (got {self.compile!r}) and static_cache_len >= 1")
         if self.max_draft_tokens < 1 or self.max_batch_sequences < 1 or self.max_workers < 1:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
+        if not 0 <= self.batch_wait_ms <= 1000 or self.max_batch_tokens < 1:
+            raise ValueError("batch_wait_ms must be in [0, 1000] and max_batch_tokens >= 1")
+        if self.max_queued_sequences < self.max_batch_sequences:
+            raise ValueError("max_queued_sequences must be >= max_batch_sequences: every valid call must fit")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
         self.validate_tls()
@@ -235,6 +251,38 @@ def observe_kv_cache(registry: Registry, cache, role: str) -> None:
     )
 
 
+def scheduler_limits(settings: ModelServerSettings):
+    from specdec.models.scheduler import SchedulerLimits
+
+    return SchedulerLimits(settings.batch_wait_ms / 1000, settings.max_batch_tokens, settings.max_queued_sequences)
+
+
+def observe_scheduler(registry: Registry, scheduler, role: str) -> None:
+    """What the model's batched steps carried, read from its scheduler at scrape time."""
+    labels, stats = {"service": role}, scheduler.stats
+    registry.observe("specdec_steps_total", "batched model steps run", "counter", labels, lambda: stats.steps)
+    registry.observe(
+        "specdec_step_sequences_total",
+        "sequences over all steps (/ specdec_steps_total: mean batch size)",
+        "counter",
+        labels,
+        lambda: stats.sequences,
+    )
+    registry.observe(
+        "specdec_step_sequences", "sequences in the latest step", "gauge", labels, lambda: stats.last_sequences
+    )
+    registry.observe(
+        "specdec_shared_steps_total", "steps that served more than one call", "counter", labels, lambda: stats.shared
+    )
+    registry.observe(
+        "specdec_queued_sequences",
+        "sequences admitted to the scheduler and not finished",
+        "gauge",
+        labels,
+        lambda: scheduler.queued,
+    )
+
+
 def start_model_server(
     settings: ModelServerSettings,
     servicer: ModelServicerBase,
@@ -268,7 +316,13 @@ def start_model_server(
     def attach(model: LoadedModel) -> None:
         servicer.attach(model)
         if model.runner is not None:
+            from specdec.models.scheduler import scheduler_for
+
             observe_kv_cache(grpc_server.registry, model.runner.cache, servicer.role)
+            # One scheduler per model, made here with this service's limits (or found, if
+            # another server in this process already serves the model: tests).
+            scheduler = scheduler_for(model.runner, scheduler_limits(settings))
+            observe_scheduler(grpc_server.registry, scheduler, servicer.role)
         grpc_server.set_serving(True)
         log.info("%s model %s loaded; serving on port %d", servicer.role, model.info.model_id, grpc_server.port)
 

@@ -1,0 +1,460 @@
+"""Iteration-level batching on a model's thread: the sequences of concurrent calls share forwards.
+
+A call's work is one *task* per sequence: a generator that yields the `StepItem`s it needs one at
+a time and receives each `LogitsResult` (a Verify sequence: one item; a draft sequence: K items,
+each depending on the token the previous one sampled). `StepScheduler` runs one
+`ModelRunner.step` over the next item of every ready task and sends each result back, so tasks
+join and leave between steps. Each step holds at most one item per session (a task of a session
+already in the step waits for the next one), at most `max_batch_tokens` new tokens (the oldest
+task runs even when it alone is larger), and takes tasks oldest first, so a task waits at most
+until every task admitted before it has finished. Deadlines and cancellation are checked before
+each step of a task; an error fails only the tasks it concerns.
+
+`run_tasks` drives tasks to completion on the calling thread, with no scheduler: the reference
+the scheduler is tested against, and the path of direct calls (tests, tools).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.core.errors import ServiceError, Unavailable
+from specdec.core.protocols import NO_DEADLINE, Deadline
+from specdec.core.tokens import common_prefix_length
+from specdec.models.runner import LogitsResult, StepItem
+
+log = logging.getLogger(__name__)
+
+# A sequence's work: yields StepItems, receives their LogitsResults, returns the sequence's result.
+Task = Generator[StepItem, LogitsResult, Any]
+# (session id, task): the id the task's items carry ("" = uncached; such tasks never conflict).
+SessionTask = tuple[str, Task]
+# A call's post-processing of its tasks' results of one step, all at once (one warp of every
+# sequence's logits rather than one per sequence): what it returns is what the tasks receive.
+Prepare = Callable[[list[LogitsResult]], Sequence[Any]]
+
+# A recently stepped session counts as company worth waiting for during this long.
+COMPANY_WINDOW_S = 1.0
+
+
+class AtCapacity(ServiceError):
+    """The scheduler's queue is full: another replica (or this one, a little later) may serve it."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "at-capacity"  # specdec.rpc.metrics.AT_CAPACITY: the coordinator's pools retry elsewhere
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    batch_wait_s: float = 0.002  # longest a new call waits for company before its first step
+    max_batch_tokens: int = 2048  # new tokens per step (an older task larger than this runs alone)
+    max_queued_sequences: int = 16384  # tasks admitted and not finished; beyond: AtCapacity
+
+    def __post_init__(self):
+        if self.batch_wait_s < 0 or self.max_batch_tokens < 1 or self.max_queued_sequences < 1:
+            raise ValueError(f"invalid scheduler limits: {self}")
+
+
+class _Call:
+    """One caller's tasks: their results in order, or the first error."""
+
+    def __init__(self, count: int, deadline: Deadline, prepare: Prepare | None):
+        self.prepare = prepare
+        self.results: list[Any] = [None] * count
+        self.pending = count
+        self.error: BaseException | None = None
+        self.deadline = deadline
+        self.done = threading.Event()
+
+    def finish(self, index: int, value: Any) -> None:
+        self.results[index] = value
+        self.pending -= 1
+        if self.pending == 0:
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.done.set()  # the caller raises at once; its other tasks leave before their next step
+
+
+@dataclass(eq=False)
+class _Task:
+    session_id: str
+    gen: Task
+    call: _Call
+    index: int  # position of the result in the call's list
+    admitted_at: float  # time.monotonic() at submission
+    item: StepItem | None = None  # the next item (None until primed on the model thread)
+    done: bool = False  # finished or failed (then removed from the scheduler's list)
+
+
+@dataclass
+class StepStats:
+    """What the steps carried (read by the metrics thread: plain counters)."""
+
+    steps: int = 0
+    sequences: int = 0  # items over all steps
+    last_sequences: int = 0
+    shared: int = 0  # steps that carried the sequences of more than one call
+    sizes: collections.Counter = field(default_factory=collections.Counter)  # items per step -> steps
+
+
+class StepScheduler:
+    """Batches the concurrent calls of one model (one per runner: `scheduler_for`).
+
+    Nothing runs while there is no work: a submission queues one iteration on the model's
+    thread, and an iteration that leaves work behind queues the next, so other users of the
+    thread (another model in-process, calibration) interleave step by step.
+    """
+
+    def __init__(self, runner, limits: SchedulerLimits | None = None):
+        self._runner_ref = weakref.ref(runner)  # the registry is keyed weakly by the runner
+        self.limits = limits or SchedulerLimits()
+        self.stats = StepStats()
+        self._cond = threading.Condition()
+        self._incoming: list[_Task] = []  # submitted, not yet primed (under _cond)
+        self._queued = 0  # tasks admitted and not finished (under _cond)
+        self._scheduled = False  # an iteration is queued or running on the model thread (under _cond)
+        self._closed = False
+        # Model thread only:
+        self._tasks: list[_Task] = []  # primed tasks, oldest first
+        self._recent: dict[str, float] = {}  # session id -> when it last stepped
+
+    @property
+    def runner(self):
+        runner = self._runner_ref()
+        if runner is None:
+            raise Unavailable("the model is gone")
+        return runner
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def configure(self, limits: SchedulerLimits) -> None:
+        self.limits = limits  # read afresh by each iteration
+
+    def close(self) -> None:
+        """Refuse new calls (UNAVAILABLE); admitted ones still finish."""
+        with self._cond:
+            self._closed = True
+
+    # ------------------------------------------------------------ callers' side
+
+    def run(
+        self, tasks: Sequence[SessionTask], deadline: Deadline = NO_DEADLINE, prepare: Prepare | None = None
+    ) -> list[Any]:
+        """The results of one call's tasks, in order; raises the first error of any of them.
+        `prepare`: what the tasks receive instead of their LogitsResults (per step, all at once)."""
+        if not tasks:
+            return []
+        call = _Call(len(tasks), deadline, prepare)
+        self._admit(tasks, call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.results
+
+    def _admit(self, tasks: Sequence[SessionTask], call: _Call) -> None:
+        now = time.monotonic()
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the model service is shutting down")
+            limit = self.limits.max_queued_sequences
+            # A call larger than the whole queue still runs once the queue is empty.
+            if self._queued and self._queued + len(tasks) > limit:
+                raise AtCapacity(f"{self._queued} sequences are queued (limit {limit}); retry shortly")
+            self._incoming += [_Task(sid, gen, call, i, now) for i, (sid, gen) in enumerate(tasks)]
+            self._queued += len(tasks)
+            self._cond.notify_all()  # an iteration waiting for company
+            if not self._scheduled:
+                self._scheduled = True
+                self._submit_iteration()
+
+    def _submit_iteration(self) -> None:
+        """Queue an iteration on the model thread (under _cond); on failure, fail what waits."""
+        try:
+            # ModelRunner has no public non-blocking submit (on_model_thread waits for the result);
+            # share_model_thread may replace the executor, so it is read at each submission.
+            self.runner._model_thread.submit(self._iteration)
+        except Exception as exc:  # noqa: BLE001 - the executor is shut down, or the model is gone
+            self._scheduled = False
+            for task in self._incoming + self._tasks:
+                task.call.fail(exc)
+                task.done = True
+            self._queued -= len(self._incoming) + len(self._tasks)
+            self._incoming, self._tasks = [], []
+
+    # ------------------------------------------------------------ the model thread's loop
+
+    def _iteration(self) -> None:
+        """One step on the model thread: wait briefly for company, gather, forward, route."""
+        batch: list[_Task] = []
+        try:
+            self._wait_for_company()
+            self._take_incoming()
+            batch = self._select()
+            if batch:
+                self._step(batch)
+        except BaseException as exc:  # a bug here must not leave callers waiting
+            log.exception("scheduler iteration failed")
+            for task in batch or list(self._tasks):
+                self._fail(task, exc)
+            self._compact()
+        finally:
+            self._reschedule()
+
+    def _wait_for_company(self) -> None:
+        """Wait (at most batch_wait_s after the oldest waiting task arrived) while sessions that
+        stepped recently are absent: a call between two rounds of its stream is about to arrive."""
+        wait_s = self.limits.batch_wait_s
+        if wait_s <= 0:
+            return
+        now = time.monotonic()
+        self._recent = {s: t for s, t in self._recent.items() if now - t < COMPANY_WINDOW_S}
+        with self._cond:
+            while self._recent:
+                if not (self._tasks or self._incoming):
+                    return
+                oldest = (self._tasks or self._incoming)[0].admitted_at  # both lists are oldest first
+                left = oldest + wait_s - time.monotonic()
+                present = {t.session_id for t in self._tasks} | {t.session_id for t in self._incoming}
+                if left <= 0 or all(s in present for s in self._recent):
+                    return
+                self._cond.wait(left)
+
+    def _take_incoming(self) -> None:
+        with self._cond:
+            new, self._incoming = self._incoming, []
+        for task in new:
+            # Priming runs the task's set-up on this thread (torch ops stay on the model thread).
+            self._tasks.append(task)
+            self._advance(task, None)
+        self._compact()
+
+    def _select(self) -> list[_Task]:
+        """The next step: oldest task first, one item per session, within the token budget."""
+        budget = self.limits.max_batch_tokens
+        batch: list[_Task] = []
+        sessions: set[str] = set()
+        tokens = 0
+        for task in self._tasks:
+            if tokens >= budget:
+                break
+            if task.call.error is not None:
+                self._drop(task)  # a sibling failed: nobody reads this one
+                continue
+            if task.session_id and task.session_id in sessions:
+                continue  # the session's cache is in use by an older task of this step
+            cost = self._new_tokens(task.item)
+            if batch and tokens + cost > budget:
+                continue
+            try:
+                task.call.deadline.check()
+            except Exception as exc:  # noqa: BLE001 - DeadlineExceeded / Cancelled
+                self._fail(task, exc)
+                continue
+            batch.append(task)
+            sessions.add(task.session_id)
+            tokens += cost
+        self._compact()
+        return batch
+
+    def _new_tokens(self, item: StepItem) -> int:
+        """Tokens the item's forward runs: past what its session's cache holds (the runner's
+        own reuse rules may run a few more; this only bounds a step's size)."""
+        cache = getattr(self.runner, "cache", None)
+        held = cache.token_ids(item.session_id) if cache is not None and item.session_id else None
+        if not held:
+            return len(item.token_ids)
+        tokens = item.token_ids
+        # Usually the entry holds a prefix of the item (a session's next round): compared at C speed.
+        common = len(held) if list(tokens[: len(held)]) == held else common_prefix_length(held, tokens)
+        reuse = min(common, len(tokens) - item.num_last)
+        return len(item.token_ids) - reuse
+
+    def _step(self, batch: list[_Task]) -> None:
+        results = self._forward([t.item for t in batch])
+        self.stats.steps += 1
+        self.stats.sequences += len(batch)
+        self.stats.last_sequences = len(batch)
+        self.stats.sizes[len(batch)] += 1
+        self.stats.shared += len({id(t.call) for t in batch}) > 1
+        now = time.monotonic()
+        by_call: dict[_Call, list[tuple[_Task, LogitsResult]]] = {}
+        for task, result in zip(batch, results, strict=True):
+            if task.session_id:
+                self._recent[task.session_id] = now
+            if isinstance(result, BaseException):
+                self._fail(task, result)
+            else:
+                by_call.setdefault(task.call, []).append((task, result))
+        for call, done in by_call.items():
+            self._deliver(call, done)
+        self._compact()
+
+    def _deliver(self, call: _Call, done: list[tuple[_Task, LogitsResult]]) -> None:
+        """Send a call's tasks their step's results, prepared together (a failure fails them)."""
+        values: Sequence[Any] = [result for _, result in done]
+        if call.prepare is not None:
+            try:
+                values = call.prepare(list(values))
+            except Exception as exc:  # noqa: BLE001 - this call's post-processing: it alone fails
+                for task, _ in done:
+                    self._fail(task, exc)
+                return
+        for (task, _), value in zip(done, values, strict=True):
+            self._advance(task, value)
+
+    def _forward(self, items: list[StepItem]) -> list[LogitsResult | BaseException]:
+        """The items' forward (`step_items`); when it fails, each item alone, so only the
+        failing ones fail."""
+        try:
+            results = step_items(self.runner, items)
+            if len(results) != len(items):
+                raise RuntimeError(f"runner.step returned {len(results)} results for {len(items)} items")
+            return results
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(items) == 1:
+                return [exc]
+            log.warning("a step of %d sequences failed (%s); running them one by one", len(items), exc)
+            return [self._forward([item])[0] for item in items]
+
+    def _advance(self, task: _Task, result: Any) -> None:
+        """Send the task its result (None: start it); it yields its next item or finishes."""
+        try:
+            task.item = task.gen.send(result)
+        except StopIteration as stop:
+            self._finish(task)
+            task.call.finish(task.index, stop.value)
+        except Exception as exc:  # noqa: BLE001 - this task's post-processing failed: it alone fails
+            self._fail(task, exc)
+
+    def _fail(self, task: _Task, exc: BaseException) -> None:
+        task.call.fail(exc)
+        self._drop(task)
+
+    def _drop(self, task: _Task) -> None:
+        task.gen.close()
+        self._finish(task)
+
+    def _finish(self, task: _Task) -> None:
+        if not task.done:
+            task.done = True
+            with self._cond:
+                self._queued -= 1
+
+    def _compact(self) -> None:
+        self._tasks = [t for t in self._tasks if not t.done]
+
+    def _reschedule(self) -> None:
+        with self._cond:
+            if self._tasks or self._incoming:
+                self._submit_iteration()
+            else:
+                self._scheduled = False
+
+
+# ---------------------------------------------------------------- a step's forwards
+
+
+def step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:
+    """`runner.step` over the cached items, and the uncached ones (session "") in one padded
+    `runner.batch_forward`: a ragged step runs attention sequence by sequence, so hundreds of
+    short uncached samples (num_samples) ran 14x slower there than padded (200 x 5 tokens, tiny
+    model). Both give each item what `last_logits` gives it alone, up to float noise."""
+    uncached = [i for i, item in enumerate(items) if not item.session_id]
+    if len(uncached) < 2:
+        return list(runner.step(items))
+    results: list[LogitsResult | None] = [None] * len(items)
+    cached = [i for i, item in enumerate(items) if item.session_id]
+    if cached:
+        for i, result in zip(cached, runner.step([items[i] for i in cached]), strict=True):
+            results[i] = result
+    for group in (
+        [i for i in uncached if items[i].input_hidden is None],
+        [i for i in uncached if items[i].input_hidden is not None],
+    ):
+        for i, result in zip(group, _padded(runner, [items[i] for i in group]), strict=True):
+            results[i] = result
+    return results
+
+
+def _padded(runner, items: list[StepItem]) -> list[LogitsResult]:
+    if not items:
+        return []
+    want = [item.hidden_from is not None for item in items]
+    fed = [item.input_hidden for item in items] if items[0].input_hidden is not None else None
+    results = runner.batch_forward(
+        [item.token_ids for item in items],
+        [item.num_last for item in items],
+        hidden_from=[item.hidden_from or 0 for item in items] if any(want) else None,
+        input_hidden=fed,
+    )
+    # Hidden states only where last_logits returns them: asked for, or a draft fed hidden states.
+    return [r if w or fed is not None else LogitsResult(r.logits, 0) for r, w in zip(results, want, strict=True)]
+
+
+# ---------------------------------------------------------------- one scheduler per model
+
+_SCHEDULERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SCHEDULERS_LOCK = threading.Lock()
+
+
+def scheduler_for(runner, limits: SchedulerLimits | None = None) -> StepScheduler:
+    """The runner's scheduler, made on first use (every caller of a model shares its steps);
+    `limits` given: they apply from the next step on."""
+    with _SCHEDULERS_LOCK:
+        scheduler = _SCHEDULERS.get(runner)
+        if scheduler is None:
+            scheduler = _SCHEDULERS[runner] = StepScheduler(runner, limits)
+        elif limits is not None:
+            scheduler.configure(limits)
+        return scheduler
+
+
+# ---------------------------------------------------------------- without a scheduler
+
+
+def run_tasks(
+    runner,
+    tasks: Sequence[SessionTask],
+    deadline: Deadline = NO_DEADLINE,
+    prepare: Prepare | None = None,
+) -> list[Any]:
+    """Drive tasks to completion on this thread, all in lockstep (one item per session per
+    step, the earlier task first); `deadline` is checked before each step. The first error
+    ends the call."""
+    results: list[Any] = [None] * len(tasks)
+    items: list[StepItem | None] = [None] * len(tasks)  # each task's next item; None: finished
+    for i, (_, gen) in enumerate(tasks):
+        items[i] = _send(gen, None, results, i)
+    while any(item is not None for item in items):
+        deadline.check()
+        chosen, sessions = [], set()
+        for i, item in enumerate(items):
+            if item is not None and not (tasks[i][0] and tasks[i][0] in sessions):
+                chosen.append(i)
+                sessions.add(tasks[i][0])
+        outs = step_items(runner, [items[i] for i in chosen])
+        outs = prepare(outs) if prepare is not None else outs
+        for i, out in zip(chosen, outs, strict=True):
+            items[i] = _send(tasks[i][1], out, results, i)
+    return results
+
+
+def _send(gen: Task, value: Any, results: list, i: int) -> StepItem | None:
+    """The task's next item, or None once it has returned (its value then in results[i])."""
+    try:
+        return gen.send(value)
+    except StopIteration as stop:
+        results[i] = stop.value
+        return None
