@@ -89,7 +89,7 @@ class CoordinatorSettings(ServerTlsSettings):
     # Each admitted request keeps at most one call in flight per pool, so a pod that admits at
     # least this many (the model services' default is 24) never refuses one coordinator's calls.
     max_concurrent_requests: int = setting(
-        12, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
+        16, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
     )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
     grace_s: float = setting(
