@@ -3,6 +3,7 @@ the finished session is the uncut stream's."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -98,3 +99,26 @@ def test_another_coordinator_resumes_a_stream_whose_coordinator_was_killed(doome
         assert stored == PROMPT + received + resumed
     assert stored == PROMPT + reference, "the resumed session is not the uncut stream"
     assert session.resumable_tokens == 0
+
+
+def test_sigterm_drains_a_running_stream_to_its_end(shared_settings, fault_dir, redis_url):
+    """Fault: SIGTERM (a rolling update) to the coordinator serving a stream.
+    Expect: it stops taking new calls but lets the stream run to its end within GRACE_S, stores
+    all of it, releases the session, and exits 0."""
+    service = harness.coordinator(fault_dir, name="coordinator-drained", GRACE_S="30", **shared_settings)
+    key = KEYS["tenant-a"]
+    with harness.running(service), harness.client(service, api_key=key) as client:
+        client.generate(PROMPT, max_new_tokens=2)  # warm: pool info known
+        received, session_id, last, sent_at, at_signal = [], "", None, None, 0
+        for chunk in client.stream(PROMPT, **LONG):
+            received += chunk.token_ids
+            session_id, last = chunk.session_id, chunk
+            if sent_at is None:
+                harness.wait_stored(redis_url, PREFIX, session_id)
+                service.send(signal.SIGTERM)
+                sent_at, at_signal = time.monotonic(), len(received)
+        drained_s = time.monotonic() - sent_at
+        assert service.proc.wait(30) == 0
+    print(f"SIGTERM after {at_signal} tokens: the stream ran {drained_s:.2f} s more to its {len(received)}; exit 0")
+    assert last.done and len(received) == LONG["max_new_tokens"]
+    assert harness.stored_tokens(redis_url, PREFIX, session_id) == PROMPT + received
