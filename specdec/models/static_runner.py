@@ -109,16 +109,22 @@ class StaticModelRunner(ModelRunner):
         backend: str = "inductor",
         mode: str | None = None,
         max_positions: int | None = None,
+        dynamic: bool | None = None,
     ):
         super().__init__(model, cache, max_positions)
         self.max_len = min(max_len, self.max_positions) if self.max_positions else max_len
         self.buckets = tuple(sorted(buckets))
         if mode is None and self.device.type == "cuda":
             mode = "reduce-overhead"  # CUDA graphs (on a CPU inductor would skip them anyway)
-        # One graph per (bucket, hidden states asked or not); the default limit is 8.
-        limit = 2 * len(self.buckets) + 4
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        self._compiled = torch.compile(model, backend=backend, mode=mode, dynamic=False)
+        # Graphs per model: decode and one for the other buckets, each with hidden states asked or
+        # not; and the limit counts every compiled model of one class together (the draft's and
+        # the target's forward are one code object). Past it dynamo would run eagerly, unannounced.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # dynamic=None: the decode graph (1 row) is specialised; the first other bucket recompiles
+        # with the row count symbolic, and the later buckets reuse that graph (CUDA graphs still
+        # record one replay per bucket shape). Two compiles per model rather than one per bucket:
+        # a 7B-shaped model compiles in about a minute each.
+        self._compiled = torch.compile(model, backend=backend, mode=mode, dynamic=dynamic)
         self._work = None  # the StaticCache, built on first use (on the model thread)
         self._resident: weakref.ref[_StaticKV] | None = None
         self.compiled_forwards = 0  # forwards that ran a compiled graph (tests, logs)

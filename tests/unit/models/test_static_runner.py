@@ -29,16 +29,33 @@ def _full_logits(model, tokens, num_last):
         return model(input_ids=torch.tensor([tokens])).logits[0, -num_last:].float()
 
 
-def _pair(model, max_entries=2, max_tokens=10_000, max_len=64):
-    static = StaticModelRunner(
-        model, SessionKVCache(max_entries, max_tokens), max_len=max_len, buckets=TEST_BUCKETS, backend="aot_eager"
-    )
-    return static, ModelRunner(model, SessionKVCache(max_entries, max_tokens))
-
-
 @pytest.fixture(scope="module")
 def model(tiny_loaded):
     return tiny_loaded["target"].runner.model
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    """One static runner for the module: each runner compiles its own graphs (seconds each here)."""
+    import torch._dynamo.config
+
+    strict = torch._dynamo.config.fail_on_recompile_limit_hit
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never a silent fall back to eager
+    yield StaticModelRunner(model, SessionKVCache(1, 1), max_len=64, buckets=TEST_BUCKETS, backend="aot_eager")
+    torch._dynamo.config.fail_on_recompile_limit_hit = strict
+
+
+@pytest.fixture()
+def pair(compiled, model):
+    """(the static runner with a fresh cache of the given bounds, an eager runner with its own)."""
+
+    def make(max_entries=2, max_tokens=10_000, max_len=64):
+        compiled.cache = SessionKVCache(max_entries, max_tokens)
+        compiled.max_len = max_len  # positions past it run eagerly (the working cache has 64)
+        compiled.compiled_forwards = compiled.eager_forwards = compiled.restores = 0
+        return compiled, ModelRunner(model, SessionKVCache(max_entries, max_tokens))
+
+    return make
 
 
 def test_bucket_for_pads_up_and_falls_back_to_exact_shapes():
@@ -68,11 +85,11 @@ def test_make_runner_selects_by_setting(model):
     assert type(runner) is ModelRunner  # a CPU model under auto stays eager
 
 
-def test_static_logits_and_cache_match_eager_through_rollbacks_and_evictions(model):
+def test_static_logits_and_cache_match_eager_through_rollbacks_and_evictions(model, pair):
     """Verify-like steps over three interleaved sessions with room for two: every call's logits
     equal a full recompute, and the cache behaves exactly as the eager runner's (reused prefix
     per call, hits, misses, the tokens each session holds)."""
-    static, eager = _pair(model, max_entries=2)
+    static, eager = pair(max_entries=2)
     rng = np.random.default_rng(0)
     history = {s: [1, 2, 3] for s in "abc"}
     for _ in range(36):
@@ -95,10 +112,10 @@ def test_static_logits_and_cache_match_eager_through_rollbacks_and_evictions(mod
     assert static.compiled_forwards > 30
 
 
-def test_evicted_resident_session_recomputes(model):
+def test_evicted_resident_session_recomputes(model, pair):
     """The session whose keys/values sit in the working cache is evicted by the LRU: its next
     call is a miss and recomputes, never reading what the cache still holds."""
-    static, _ = _pair(model, max_entries=1)
+    static, _ = pair(max_entries=1)
     static.last_logits("a", [1, 2, 3, 4], 1)
     static.last_logits("b", [5, 6], 1)  # evicts "a" (one entry); "b" becomes resident
     result = static.last_logits("a", [1, 2, 3, 4, 5], 1)
@@ -108,8 +125,8 @@ def test_evicted_resident_session_recomputes(model):
     assert static.last_logits("b", [5, 6, 7], 1).cached_tokens == 0
 
 
-def test_prompts_past_the_buckets_and_past_the_cache_run_eagerly(model):
-    static, _ = _pair(model, max_len=24)
+def test_prompts_past_the_buckets_and_past_the_cache_run_eagerly(model, pair):
+    static, _ = pair(max_len=24)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 8, size=20)]
     first = static.last_logits("p", prompt, 2)  # 20 new tokens > 8: eager, on the static cache
     assert static.eager_forwards == 1
@@ -125,10 +142,10 @@ def test_prompts_past_the_buckets_and_past_the_cache_run_eagerly(model):
     assert static.last_logits("p", back, 1).cached_tokens == 0
 
 
-def test_hidden_states_match_eager(model):
-    static, eager = _pair(model)
-    tokens = [1, 2, 3, 4, 5, 6]
-    for extra, hidden_from in (([], 2), ([7, 1], 3), ([2], 0)):
+def test_hidden_states_match_eager(model, pair):
+    static, eager = pair()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2]  # 9 new tokens: eager; then the decode graph, then the other
+    for extra, hidden_from in (([], 2), ([3], 3), ([7, 1], 4), ([2], 0)):
         tokens = tokens + extra
         got = static.last_logits("h", tokens, 1, hidden_from=hidden_from)
         want = eager.last_logits("h", tokens, 1, hidden_from=hidden_from)
@@ -137,8 +154,8 @@ def test_hidden_states_match_eager(model):
         assert got.cached_tokens == want.cached_tokens
 
 
-def test_step_is_last_logits_per_item(model):
-    static, _ = _pair(model)
+def test_step_is_last_logits_per_item(model, pair):
+    static, _ = pair()
     items = [StepItem("x", [1, 2, 3], 1), StepItem("y", [4, 5, 6, 7], 2), StepItem("", [1, 1], 1)]
     results = static.step(items)
     for item, result in zip(items, results, strict=True):
