@@ -17,12 +17,14 @@ its next request as soon as its last one ends, until `--num-prompts` requests ha
 per stream, at least 4) or `--duration` seconds have passed. `--request-rate 0.5,2` (open loop): requests
 arrive as a Poisson process of that rate (seeded exponential gaps; `inf` = all at once), each in its own
 stream; `--max-concurrency M` caps the streams in flight (an arrival waits for a free one); the default
-count is 10 s of arrivals (at least 4). Every request is a GenerateStream of a new session, its prompt
-the next first turn of the workloads (cycled), chat template on, `--ignore-eos` on by default so every
-request generates exactly --max-new-tokens and levels compare equal work; request i of a level gets seed
---seed + i at every K. Sessions are deleted after each level, outside its timing. Each (level, K) starts
-with nothing in flight; the order of the Ks is rotated per level and per --repeats, so drift over the run
-hits every K alike.
+count is 10 s of arrivals (at least 4). Every request is a GenerateStream of a new session, chat template
+on, `--ignore-eos` on by default so every request generates exactly --max-new-tokens and levels compare
+equal work. Prompts are the first turns of the workloads (30 by default); every K of a level sends the
+same prompts with the same seeds, and each level the next ones, so no prompt is sent twice at one K until
+all are used (a suffix draft learns answers across sessions: at T = 0 it would propose a repeated
+prompt's answer whole; rows count such requests). Sessions are deleted after each level, outside its
+timing. Each (level, K) starts with nothing in flight; the order of the Ks is rotated per level and per
+--repeats, so drift over the run hits every K alike.
 
 The stack. Without --address it is started as processes exactly as `make up` starts it (scripts/stack.py:
 Redis, target, draft, coordinator; default pair: the packaged SmolLM2-135M-Instruct target and the
@@ -52,7 +54,7 @@ Per row (one K at one load level, pooled over --repeats):
   run   target, drafter, address, commit (git HEAD, "+dirty" if the tree has changes), ks, loads,
         num_prompts, duration_s, max_new_tokens, temperature, ignore_eos, chat, repeats, seed, prompts,
         background_load, cpus, python
-  row   k, load, concurrency, request_rate, max_concurrency, repeats, requests, errors, error_codes,
+  row   k, load, concurrency, request_rate, max_concurrency, repeats, requests, errors, error_codes, repeated_prompts,
         tokens, seconds, aggregate_tokens_per_s, aggregate_tokens_per_s_runs (one per repeat),
         per_stream_tokens_per_s, request_throughput, ttft_ms_p50, ttft_ms_p90, ttft_ms_p99, itl_ms_p50,
         itl_ms_p90, itl_ms_p99, latency_ms_p50, acceptance_rate, tokens_per_round, base, ratio_vs_base,
@@ -178,6 +180,7 @@ class LevelRun:
 
     results: list[RequestResult]
     seconds: float
+    repeated_prompts: int = 0  # requests whose prompt an earlier level or repeat had sent
 
     @property
     def tokens(self) -> int:
@@ -209,6 +212,7 @@ def aggregate(k, load: Load, runs: list[LevelRun]) -> dict:
         "requests": len(ok),
         "errors": len(results) - len(ok),
         "error_codes": dict(Counter(r.error for r in results if r.error)),
+        "repeated_prompts": sum(run.repeated_prompts for run in runs),
         "tokens": tokens,
         "seconds": seconds,
         "aggregate_tokens_per_s": tokens / seconds if seconds else 0.0,
@@ -292,6 +296,10 @@ def format_table(rows: list[dict]) -> str:
             f"{_pct(r, 'itl'):>17}  {_fmt(r['acceptance_rate'], '.3f'):>6} {_fmt(r['tokens_per_round'], '.2f'):>7}"
         )
     lines.append("  x base: aggregate tok/s / the first level's at the same K (range: lowest-highest per repeat)")
+    if repeated := sum(r["repeated_prompts"] for r in rows):
+        lines.append(
+            f"  {repeated} requests repeated a prompt sent earlier at their K (a suffix draft may know its answer)"
+        )
     return "\n".join(lines)
 
 
@@ -440,18 +448,20 @@ class Plan:
         }
 
 
-def run_level(client, plan: Plan, load: Load, k) -> LevelRun:
-    """One (load, K): its requests, then its sessions deleted (outside the timing)."""
+def run_level(client, plan: Plan, load: Load, k, first: int = 0) -> LevelRun:
+    """One (load, K): its requests, then its sessions deleted (outside the timing). Request i sends
+    prompt first + i (cycled) with seed --seed + first + i."""
 
     def send(i: int) -> RequestResult:
-        prompt = plan.prompts[i % len(plan.prompts)]
-        return stream_one(client, prompt, **plan.request_kwargs(k, plan.seed + i))
+        prompt = plan.prompts[(first + i) % len(plan.prompts)]
+        return stream_one(client, prompt, **plan.request_kwargs(k, plan.seed + first + i))
 
     if load.concurrency is not None:
         run = run_closed_loop(send, load.concurrency, plan.requests_for(load), plan.duration_s)
     else:
         run = run_open_loop(send, plan.arrivals(load), load.max_concurrency)
     delete_sessions(client, run.results)
+    run.repeated_prompts = min(len(run.results), max(0, first + len(run.results) - len(plan.prompts)))
     return run
 
 
@@ -466,16 +476,24 @@ def delete_sessions(client, results: list[RequestResult]) -> None:
 
 
 def warm_up(client, plan: Plan) -> None:
-    """One short request per K: first calls allocate caches and buffers."""
+    """One short request per K: first calls allocate caches and buffers. On the last prompt, the one
+    the levels reach last."""
     kwargs = [plan.request_kwargs(k, plan.seed, max_new_tokens=8) for k in plan.ks]
-    delete_sessions(client, [stream_one(client, plan.prompts[0], **kw) for kw in kwargs])
+    delete_sessions(client, [stream_one(client, plan.prompts[-1], **kw) for kw in kwargs])
 
 
 def bench_stack(client, plan: Plan) -> list[dict]:
-    """Every (repeat, load, K) in schedule_order; one row per (K, load), in load order."""
+    """Every (repeat, load, K) in schedule_order; one row per (K, load), in load order. The Ks of one
+    level send the same prompts; each level the next ones, so no prompt is sent twice at one K until
+    the run has used them all (a suffix draft learns answers across sessions: at T = 0 it would propose
+    a repeated prompt's answer whole)."""
     warm_up(client, plan)
+    level, first, used = None, 0, 0
     for repeat, load, k in schedule_order(plan.ks, plan.loads, plan.repeats):
-        run = run_level(client, plan, load, k)
+        if (repeat, load) != level:
+            level, first, used = (repeat, load), first + used, 0
+        run = run_level(client, plan, load, k, first)
+        used = max(used, len(run.results))
         plan.runs.setdefault((k, load), []).append(run)
         bench.log(
             f"repeat {repeat + 1}/{plan.repeats} {load.label:<12} K={k!s:<5} {len(run.results)} requests "
@@ -584,7 +602,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="the chat template")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of built-in workloads")
-    p.add_argument("--per-workload", type=int, default=2)
+    p.add_argument("--per-workload", type=int, default=6, help="prompts per built-in workload (at most 6)")
     p.add_argument("--max-chars", type=int, default=1200, help="longest passage of a built-in prompt (~4 per token)")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts (workloads.py format; first turns used)")
     p.add_argument("--repeats", type=int, default=1, help="every level and K this many times, interleaved")

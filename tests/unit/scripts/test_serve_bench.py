@@ -24,7 +24,7 @@ import serve_bench
 from serve_bench import LevelRun, Load, RequestResult
 
 ROW_FIELDS = {
-    "type", "k", "load", "concurrency", "request_rate", "max_concurrency", "repeats", "requests", "errors",
+    "type", "k", "load", "concurrency", "request_rate", "max_concurrency", "repeats", "requests", "errors", "repeated_prompts",
     "error_codes", "tokens", "seconds", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs",
     "per_stream_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
     "itl_ms_p90", "itl_ms_p99", "latency_ms_p50", "acceptance_rate", "tokens_per_round", "base", "ratio_vs_base",
@@ -217,6 +217,37 @@ def test_stream_one_times_chunks_and_reads_the_final_stats():
     assert failed.error == "RESOURCE_EXHAUSTED" and failed.session_id == "s1"
 
 
+class RecordingClient:
+    """client.stream answers one 1-token chunk and records (prompt, seed, K); sessions are deleted."""
+
+    def __init__(self):
+        self.sent, self.deleted = [], []
+
+    def stream(self, prompt, **kwargs):
+        self.sent.append((prompt, kwargs["seed"], kwargs["num_speculative_tokens"]))
+        stats = SimpleNamespace(rounds=1, drafted_tokens=0, accepted_tokens=0)
+        yield SimpleNamespace(token_ids=[1], session_id=f"s{len(self.sent)}", done=True, stats=stats)
+
+    def delete_session(self, session_id):
+        self.deleted.append(session_id)
+
+
+def test_every_k_of_a_level_sends_the_same_prompts_and_levels_the_next_ones():
+    argv = ["--concurrency", "1,2", "--ks", "auto", "--num-prompts", "2", "--repeats", "2", "--per-workload", "1"]
+    plan = serve_bench.build_plan(serve_bench.parse_args(argv))
+    assert len(plan.prompts) == 5
+    client = RecordingClient()
+    rows = serve_bench.bench_stack(client, plan)
+    warm, measured = client.sent[:2], client.sent[2:]
+    assert {p for p, _, _ in warm} == {plan.prompts[-1]}
+    by_k = {k: sorted((p, seed) for p, seed, kk in measured if kk == k) for k in (0, None)}
+    assert by_k[0] == by_k[None]  # same prompts and seeds at K=0 and auto
+    order = [plan.prompts.index(p) for p, _, k in measured if k == 0]  # 2 levels of 2 requests, twice
+    assert [sorted(order[i : i + 2]) for i in range(0, 8, 2)] == [[0, 1], [2, 3], [0, 4], [1, 2]]
+    assert sum(r["repeated_prompts"] for r in rows if r["k"] == 0) == 3  # 8 requests over 5 prompts
+    assert len(client.deleted) == len(client.sent)
+
+
 # ------------------------------------------------------------------ options and the stack's environment
 
 
@@ -297,6 +328,7 @@ def test_rows_for_every_k_and_level_through_the_real_services(tiny_stack, tmp_pa
         assert r["errors"] == 0 and r["requests"] == 3 and r["tokens"] == 18  # ignore_eos: exactly 6 each
         assert r["aggregate_tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"]
         assert r["base"] == "c=1" and r["ratio_vs_base"] > 0 and r["ratio_vs_k0"] > 0
+        assert r["repeated_prompts"] == (1 if r["load"] == "c=1" else 3)  # 2 prompts: c=1 sends 0 1 0, c=3 1 0 1
         if r["k"] == 0:
             assert r["acceptance_rate"] is None and r["tokens_per_round"] == 1.0
         else:
