@@ -64,6 +64,7 @@ Per row (one K at one load level, pooled over --repeats):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -94,8 +95,6 @@ DEFAULT_DRAFTER = "suffix"  # what `make run` / `make up` serve (stack.DEFAULT_D
 ERROR_PAUSE_S = 0.05  # after a failed request, before a closed-loop stream starts its next one
 DEFAULT_RATE_WINDOW_S = 10.0  # --request-rate without --num-prompts: this many seconds of arrivals
 # Admission settings of a started stack, raised to the streams in flight (defaults: settings classes).
-ADMITTED_DEFAULTS = {"COORDINATOR": 12, "DRAFT": 24, "TARGET": 24}  # MAX_CONCURRENT_REQUESTS
-WORKERS_DEFAULT = 32  # MAX_WORKERS of each
 
 
 # ------------------------------------------------------------------ pure parts
@@ -516,13 +515,23 @@ def stack_env(args, drafter: bench.Drafter, peak_streams: int) -> dict[str, str]
         "SPECDEC_DRAFT_LOOKUP": drafter.lookup,
         "SPECDEC_DRAFT_TOKENIZER": args.target,  # a model-free draft's vocabulary
     }
-    for service, default in ADMITTED_DEFAULTS.items():
-        env[f"SPECDEC_{service}_METRICS_PORT"] = "0"  # no clash with a `make up` stack's 9101..9103
-        admitted = max(default, peak_streams)
-        limits = {"MAX_CONCURRENT_REQUESTS": admitted, "MAX_WORKERS": max(WORKERS_DEFAULT, admitted + 8)}
+    for settings in _service_settings():
+        prefix, defaults = settings.ENV_PREFIX, {f.name: f.default for f in dataclasses.fields(settings)}
+        env[prefix + "METRICS_PORT"] = "0"  # no clash with a `make up` stack's 9101..9103
+        admitted = max(defaults["max_concurrent_requests"], peak_streams)
+        workers = max(defaults["max_workers"], admitted + 8)  # above admission: health probes need threads
+        limits = {"MAX_CONCURRENT_REQUESTS": admitted, "MAX_WORKERS": workers}
         for name, value in limits.items():
-            env[f"SPECDEC_{service}_{name}"] = os.environ.get(f"SPECDEC_{service}_{name}", str(value))
+            env[prefix + name] = os.environ.get(prefix + name, str(value))
     return env
+
+
+def _service_settings() -> list[type]:
+    from coordinator.settings import CoordinatorSettings
+    from draft_service.settings import DraftSettings
+    from target_service.settings import TargetSettings
+
+    return [CoordinatorSettings, DraftSettings, TargetSettings]
 
 
 @contextmanager

@@ -273,7 +273,10 @@ def test_a_started_stack_admits_the_streams_in_flight_unless_the_environment_say
     env = serve_bench.stack_env(args, drafter, peak_streams=40)
     assert env["SPECDEC_DRAFT_MODEL"] == "suffix" and env["SPECDEC_COORDINATOR_METRICS_PORT"] == "0"
     assert env["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "40" and env["SPECDEC_TARGET_MAX_WORKERS"] == "48"
-    assert serve_bench.stack_env(args, drafter, 4)["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "12"
+    from coordinator.settings import CoordinatorSettings
+
+    default = str(CoordinatorSettings().max_concurrent_requests)  # never lowered
+    assert serve_bench.stack_env(args, drafter, 4)["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == default
     monkeypatch.setenv("SPECDEC_TARGET_MAX_CONCURRENT_REQUESTS", "5")
     assert serve_bench.stack_env(args, drafter, 40)["SPECDEC_TARGET_MAX_CONCURRENT_REQUESTS"] == "5"
 
