@@ -94,7 +94,6 @@ from specdec.models.openmp_env import set_openmp_defaults
 DEFAULT_DRAFTER = "suffix"  # what `make run` / `make up` serve (stack.DEFAULT_DRAFT)
 ERROR_PAUSE_S = 0.05  # after a failed request, before a closed-loop stream starts its next one
 DEFAULT_RATE_WINDOW_S = 10.0  # --request-rate without --num-prompts: this many seconds of arrivals
-# Admission settings of a started stack, raised to the streams in flight (defaults: settings classes).
 
 
 # ------------------------------------------------------------------ pure parts
