@@ -67,6 +67,11 @@ def start_stack(
         tokenizer=tokenizer_dir,
         max_num_samples=20000,
         sample_batch_size=4096,
+        # A 4096-sequence call (the law tests) is far bigger than the production batches these
+        # per-call deadlines are set for; on a busy machine it would time out and fall back to K=0.
+        draft_timeout_s=120.0,
+        verify_timeout_s=120.0,
+        max_request_tokens=1 << 24,
     )
     overrides.update(coordinator_overrides)
     settings = load_settings(CoordinatorSettings, [], {}, **overrides)
