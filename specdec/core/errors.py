@@ -43,6 +43,14 @@ class Aborted(ServiceError):
     code = "ABORTED"
 
 
+class AtCapacity(ServiceError):
+    """A service's queue or admission limit is full: another replica (or this one, a little later)
+    may serve the call, so callers retry it elsewhere."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "at-capacity"
+
+
 class Unavailable(ServiceError):
     code = "UNAVAILABLE"
 

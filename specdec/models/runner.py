@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -243,6 +243,11 @@ class ModelRunner:
         """Run this model's ops on `other`'s thread: two models in one process (draft and target
         in-process) then share one OpenMP team instead of throttling each other's."""
         self._model_thread = other._model_thread
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """fn(*args, **kwargs) queued on the model's own thread, without waiting for it (the
+        scheduler's iterations; share_model_thread may replace the thread, so it is read here)."""
+        return self._model_thread.submit(fn, *args, **kwargs)
 
     def on_model_thread(self, fn: Callable, *args, **kwargs):
         """fn(*args, **kwargs) run on the model's own thread; returns its result (or raises)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.core.errors import ServiceError, Unavailable
+from specdec.core.errors import AtCapacity, Unavailable
 from specdec.core.protocols import NO_DEADLINE, Deadline
 from specdec.core.tokens import common_prefix_length
 from specdec.models.runner import LogitsResult, StepItem
@@ -42,13 +42,6 @@ Prepare = Callable[[list[LogitsResult]], Sequence[Any]]
 
 # A recently stepped session counts as company worth waiting for during this long.
 COMPANY_WINDOW_S = 1.0
-
-
-class AtCapacity(ServiceError):
-    """The scheduler's queue is full: another replica (or this one, a little later) may serve it."""
-
-    code = "RESOURCE_EXHAUSTED"
-    reason = "at-capacity"  # specdec.rpc.metrics.AT_CAPACITY: the coordinator's pools retry elsewhere
 
 
 @dataclass(frozen=True)
@@ -182,9 +175,7 @@ class StepScheduler:
     def _submit_iteration(self) -> None:
         """Queue an iteration on the model thread (under _cond); on failure, fail what waits."""
         try:
-            # ModelRunner has no public non-blocking submit (on_model_thread waits for the result);
-            # share_model_thread may replace the executor, so it is read at each submission.
-            self.runner._model_thread.submit(self._iteration)
+            self.runner.submit(self._iteration)
         except Exception as exc:  # noqa: BLE001 - the executor is shut down, or the model is gone
             self._scheduled = False
             for task in self._incoming + self._tasks:

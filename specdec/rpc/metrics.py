@@ -15,10 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 
+from specdec.core.errors import AtCapacity
 from specdec.rpc.errors import REASON_KEY
 
 # `REASON_KEY` of an admission refusal: the pod is at max_concurrent_requests.
-AT_CAPACITY = "at-capacity"
+AT_CAPACITY = AtCapacity.reason
 
 
 def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:

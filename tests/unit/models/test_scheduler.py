@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specdec.core.errors import Cancelled, DeadlineExceeded
+from specdec.core.errors import AtCapacity, Cancelled, DeadlineExceeded
 from specdec.core.protocols import NO_DEADLINE, Deadline
 from specdec.models.runner import LogitsResult, StepItem
-from specdec.models.scheduler import AtCapacity, SchedulerLimits, StepScheduler, run_tasks
+from specdec.models.scheduler import SchedulerLimits, StepScheduler, run_tasks
 from specdec.rpc.metrics import AT_CAPACITY
 
 BAD = 99  # a token the fake runner's step refuses
@@ -25,6 +25,9 @@ class FakeRunner:
         self._model_thread = ThreadPoolExecutor(max_workers=1)
         self.cache = None
         self.steps: list[list[StepItem]] = []
+
+    def submit(self, fn, *args):
+        return self._model_thread.submit(fn, *args)
 
     def step(self, items):
         self.steps.append(list(items))
