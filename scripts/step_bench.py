@@ -33,14 +33,20 @@ from specdec.models.runner import ModelRunner, StepItem
 SESSIONS = 16
 
 
-def _load(threads: int, calibrate_max_rows: int) -> ModelRunner:
+def _load(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunner:
     from specdec.models.sources import DEFAULT_MODEL
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 
     settings = load_settings(
-        TargetSettings, [], {}, model=DEFAULT_MODEL, torch_threads=threads, calibrate_max_rows=calibrate_max_rows
+        TargetSettings,
+        [],
+        {},
+        model=DEFAULT_MODEL,
+        torch_threads=threads,
+        calibrate_max_rows=calibrate_max_rows,
+        linear_layout=layout,
     )
     return load_model(settings, "target").runner
 
@@ -108,6 +114,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the governor chooses, as served)")
     parser.add_argument("--calibrate-max-rows", type=int, default=9, help="as the service setting")
+    parser.add_argument("--layout", default="auto", help="LINEAR_LAYOUT, as the service setting")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -115,7 +122,7 @@ def main() -> None:
         parser.error(f"at most {SESSIONS} sessions per step")
 
     loaded_at = time.perf_counter()
-    runner = _load(args.threads, args.calibrate_max_rows)
+    runner = _load(args.threads, args.calibrate_max_rows, args.layout)
     bench = Bench(runner, args.context, args.seed)
     print(f"loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s; ragged: {runner._ragged_ok()}")
     for first in (True, False):  # warm every shape once
