@@ -34,7 +34,6 @@ from specdec.models.runner import (
     ModelRunner,
     SessionKVCache,
     StepItem,
-    _assemble_hidden,
     _CacheEntry,
     _check_request,
     _reusable_positions,
@@ -154,15 +153,9 @@ class StaticModelRunner(ModelRunner):
             # On an exception the entry is not put back (its kv may be half-written).
             with self._threads(len(token_ids) - reuse):
                 logits, ran = self._run(entry.kv, reuse, token_ids[reuse:], num_last, want_hidden)
-            hidden = None
-            if want_hidden:
-                hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from)
-            else:
-                entry.hidden = None
-            if session_id:
-                entry.token_ids = token_ids
-                entry.exact_len = len(token_ids) if exact_len is None else exact_len
-                self.cache.put(session_id, entry)
+            hidden = self._settle(
+                session_id, entry, token_ids, reuse, hidden_from, exact_len, ran if want_hidden else None
+            )
             return LogitsResult(logits, reuse, hidden)
 
     def step(self, items: Sequence[StepItem]) -> list[LogitsResult]:
