@@ -71,7 +71,6 @@ def start_stack(
         # per-call deadlines are set for; on a busy machine it would time out and fall back to K=0.
         draft_timeout_s=120.0,
         verify_timeout_s=120.0,
-        max_request_tokens=1 << 24,
     )
     overrides.update(coordinator_overrides)
     settings = load_settings(CoordinatorSettings, [], {}, **overrides)
