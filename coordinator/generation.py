@@ -91,9 +91,8 @@ class Generator:
             raise InvalidArgument("the prompt is empty")
         spec = self._spec(request, params, pools, history + prompt, session_id)
         samples = new_samples(spec)
-        gen = Generation(spec, samples, Stats(prompt_tokens=len(prompt)), deadline, session_id, lease)
-        gen.draft_down = draft_down
-        return gen
+        stats = Stats(prompt_tokens=len(prompt))
+        return Generation(spec, samples, stats, deadline, session_id, lease, draft_down=draft_down)
 
     def _resume(self, request, deadline: Deadline, stack: ExitStack, tenant: str) -> Generation:
         """The interrupted generation of `request.session_id`, from where it last saved."""
@@ -108,9 +107,10 @@ class Generator:
         if spec.num_speculative_tokens > 0 and (pools.compatible_error or draft_down):
             spec = replace(spec, num_speculative_tokens=0, auto_k=False)  # still the same law
         spec = replace(spec, max_draft_context=pools.draft.max_position_embeddings if pools.draft else 0)
-        gen = Generation(spec, [sample], Stats(), deadline, session_id, lease, first_round, len(sample.generated))
-        gen.draft_down = draft_down
-        return gen
+        resumed_tokens = len(sample.generated)
+        return Generation(
+            spec, [sample], Stats(), deadline, session_id, lease, first_round, resumed_tokens, draft_down=draft_down
+        )
 
     def _spec(
         self, request, params: RequestParams, pools: PoolInfo, context_ids: list[int], session_id: str
