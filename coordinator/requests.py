@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from coordinator.settings import CoordinatorSettings
-from specdec.core.errors import InvalidArgument
+from specdec.core.errors import FailedPrecondition, InvalidArgument
 from specdec.core.sampling import Sampling
 from specdec.rpc.wire import sampling_from_proto
 from specdec.settings import env_vars, flags
@@ -17,6 +19,8 @@ from specdec.v1 import coordinator_pb2
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 # Bytes a prompt token id counts for against max_prompt_bytes (an int32 on the wire).
 TOKEN_ID_BYTES = 4
+# The roles a `messages` conversation may use (what chat templates know; tools are not served).
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -61,15 +65,21 @@ def _in_range(name: str, value: int, low: int, high: int, limit: str = "") -> in
     return value
 
 
-def prompt_bytes(request: coordinator_pb2.GenerateRequest, limit: int) -> int:
-    """The prompt's size as counted against max_prompt_bytes: UTF-8 bytes of the text, 4 per
-    token id. A text certainly under the limit (a character is at most 4 bytes) is not encoded."""
-    if request.prompt_token_ids:
-        return TOKEN_ID_BYTES * len(request.prompt_token_ids)
-    text = request.prompt
+def _text_bytes(text: str, limit: int) -> int:
+    """UTF-8 bytes of `text`; one certainly under `limit` (a character is at most 4 bytes) is not encoded."""
     if TOKEN_ID_BYTES * len(text) <= limit:
         return len(text)
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def prompt_bytes(request: coordinator_pb2.GenerateRequest, limit: int) -> int:
+    """The prompt's size as counted against max_prompt_bytes: UTF-8 bytes of the text (of every
+    message's role and content), 4 per token id."""
+    if request.prompt_token_ids:
+        return TOKEN_ID_BYTES * len(request.prompt_token_ids)
+    if request.messages:
+        return sum(_text_bytes(m.role, limit) + _text_bytes(m.content, limit) for m in request.messages)
+    return _text_bytes(request.prompt, limit)
 
 
 def _check_stops(stops, settings: CoordinatorSettings) -> None:
@@ -130,10 +140,26 @@ def validate_request(
         raise InvalidArgument("set prompt or prompt_token_ids, not both")
     if request.chat and request.prompt_token_ids:
         raise InvalidArgument("chat applies to a text prompt, not to prompt_token_ids")
+    if request.messages:
+        _check_messages(request)
     params = RequestParams(sampling, max_new, k, num_samples, auto_k=auto_k and k > 0)
     # Token ids are context already known: their share of the work is checked now.
     check_request_work(params, len(request.prompt_token_ids), s)
     return params
+
+
+def _check_messages(request: coordinator_pb2.GenerateRequest) -> None:
+    """A `messages` conversation stands alone: a new session, no other prompt, known roles."""
+    if request.prompt or request.prompt_token_ids or request.chat:
+        raise InvalidArgument("messages is a whole conversation: set it without prompt, prompt_token_ids or chat")
+    if request.session_id:
+        raise InvalidArgument("messages starts a new conversation; continue a session with chat and prompt")
+    for i, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            # Length-capped: the size limit has been checked, but a role is echoed into a status.
+            raise InvalidArgument(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.role[:32]!r}"
+            )
 
 
 def chat_turn_text(tokenizer, prompt: str, continuing: bool) -> str:
@@ -162,6 +188,8 @@ def prompt_token_ids(
         if bad:
             raise InvalidArgument(f"prompt_token_ids contains {bad[0]}, outside [0, {vocab_size})")
         return ids
+    if request.messages:
+        return _conversation_token_ids(tokenizer, request.messages)
     if not request.prompt:
         return []
     if request.chat:
@@ -169,3 +197,16 @@ def prompt_token_ids(
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     # A continued session already has its BOS.
     return tokenizer(request.prompt, add_special_tokens=not has_history)["input_ids"]
+
+
+def _conversation_token_ids(tokenizer, messages) -> list[int]:
+    """A whole conversation through the chat template, ending with the assistant's generation
+    prompt; the template writes any BOS itself, so none is added."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise FailedPrecondition("the target's tokenizer has no chat template: send a prompt instead of messages")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # e.g. a template that wants roles to alternate
+        raise InvalidArgument(f"the chat template refused the messages: {exc}") from exc
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
