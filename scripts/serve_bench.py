@@ -7,6 +7,8 @@ Poisson arrivals, through the real gRPC pipeline, K = 0 and speculation interlea
   python scripts/serve_bench.py --address HOST:PORT               a coordinator that is already up
   python scripts/serve_bench.py --duration 30                     30 s per level and K (no request count)
   python scripts/serve_bench.py --json                            one JSON object per row on stdout
+  python scripts/serve_bench.py --openai-url http://HOST:8000/v1  any OpenAI-compatible server (this
+                                                                  gateway, vLLM, TGI, llama.cpp, ...)
 
 A separate script from bench.py, which measures one request at a time per workload x drafter x K x T
 (the cost of speculation per round); this one measures a served stack's capacity under load. It
@@ -33,6 +35,18 @@ collide with a `make up` stack. Its admission limits (MAX_CONCURRENT_REQUESTS, M
 coordinator and both pools) are raised to the most streams this run keeps in flight, unless set in the
 environment, so the engine is measured, not the refusals. With --address the server's own limits apply
 and a refusal counts as an error (the stream waits 50 ms, then starts its next request).
+
+OpenAI mode. `--openai-url URL` streams the same requests as `POST URL/chat/completions` (or
+`URL/completions` with --no-chat) with `stream_options.include_usage`, `ignore_eos`, `seed`, to any
+OpenAI-compatible server, so this gateway and other servers are measured the same way; `--model`
+names the model (default: the first of `GET URL/models`), `--api-key` (or OPENAI_API_KEY) is sent as
+a bearer key. K: `--ks` defaults to `auto` alone (the server's own choice, nothing sent); an integer
+K is sent as this gateway's `num_speculative_tokens` extension. A chunk carries text, not token ids:
+each request's token count is its final `usage.completion_tokens`, spread over its chunks in
+proportion to their characters for ITL (exact when a server sends one token per chunk, an
+estimate within a round's chunk otherwise). Acceptance and tokens per round come from this
+gateway's `specdec` extension (absent elsewhere: "-"). Sessions the gateway creates are not
+deleted (HTTP has no call for it): they expire with the coordinator's SESSION_TTL_S.
 
 Per row (one K at one load level, pooled over --repeats):
   aggregate tok/s     tokens received by all streams / wall time of the level (first send to last end)
@@ -336,6 +350,102 @@ def stream_one(client, prompt: str, **kwargs) -> RequestResult:
     )
 
 
+def apportion(total: int, weights: Sequence[int]) -> list[int]:
+    """`total` split over `weights` in proportion (largest remainders): the tokens of an OpenAI
+    stream's chunks, known only as a sum (usage) and as texts (weights: their characters)."""
+    if not weights:
+        return []
+    weights = [max(w, 1) for w in weights]
+    shares = [total * w / sum(weights) for w in weights]
+    parts = [math.floor(x) for x in shares]
+    for i in sorted(range(len(parts)), key=lambda i: parts[i] - shares[i])[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+class OpenAIEndpoint:
+    """An OpenAI-compatible server (`--openai-url`): each request one streamed chat/completions (or
+    completions) call over HTTP, timed per chunk on arrival."""
+
+    def __init__(self, url: str, model: str = "", api_key: str = "", timeout_s: float = 900.0):
+        import httpx
+
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until GET /models answers; the model defaults to the first it lists."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                response = self.http.get("/models")
+                response.raise_for_status()
+                break
+            except Exception:  # not up yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.model = self.model or response.json()["data"][0]["id"]
+
+    def request(self, prompt: str, **kwargs) -> tuple[str, dict]:
+        """(path, JSON body) of one streamed request with the plan's parameters."""
+        body = {"model": self.model, "max_tokens": kwargs["max_new_tokens"], "temperature": kwargs["temperature"]}
+        body |= {"seed": kwargs["seed"], "ignore_eos": kwargs["ignore_eos"], "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        if kwargs.get("num_speculative_tokens") is not None:
+            body["num_speculative_tokens"] = kwargs["num_speculative_tokens"]
+        if kwargs["chat"]:
+            return "/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+        return "/completions", {**body, "prompt": prompt}
+
+    def stream_one(self, prompt: str, **kwargs) -> RequestResult:
+        started = time.perf_counter()
+        path, body = self.request(prompt, **kwargs)
+        try:
+            with self.http.stream("POST", path, json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    return RequestResult(time.perf_counter() - started, error=f"HTTP_{response.status_code}")
+                return self._read(response, started)
+        except Exception as exc:  # noqa: BLE001 - a failed request is a result
+            return RequestResult(time.perf_counter() - started, error=type(exc).__name__)
+
+    @staticmethod
+    def _read(response, started: float) -> RequestResult:
+        arrivals, tokens, stats = [], 0, {}  # arrivals: (seconds since send, characters)
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                return RequestResult(time.perf_counter() - started, error=str(event["error"].get("code", "error")))
+            for choice in event.get("choices") or ():
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    arrivals.append((time.perf_counter() - started, len(text)))
+            tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+            stats = event.get("specdec") or stats
+        latency = time.perf_counter() - started
+        counts = apportion(tokens, [n for _, n in arrivals])
+        ttft, itls = chunk_latencies([(t, n) for (t, _), n in zip(arrivals, counts, strict=True) if n])
+        get = stats.get
+        return RequestResult(
+            latency, ttft, tuple(itls), tokens, get("rounds", 0), get("drafted_tokens", 0),
+            get("accepted_tokens", 0), get("session_id", ""),
+        )  # fmt: skip
+
+    def delete_session(self, session_id: str) -> None:
+        """Nothing: HTTP has no call for it; the gateway's sessions expire with their TTL."""
+
+
 def _join(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.start()
@@ -446,13 +556,20 @@ class Plan:
         }
 
 
+def send_one(client, prompt: str, **kwargs) -> RequestResult:
+    """One streamed request through the coordinator's gRPC (SpecdecClient) or an OpenAI endpoint."""
+    if isinstance(client, OpenAIEndpoint):
+        return client.stream_one(prompt, **kwargs)
+    return stream_one(client, prompt, **kwargs)
+
+
 def run_level(client, plan: Plan, load: Load, k, first: int = 0) -> LevelRun:
     """One (load, K): its requests, then its sessions deleted (outside the timing). Request i sends
     prompt first + i (cycled) with seed --seed + first + i."""
 
     def send(i: int) -> RequestResult:
         prompt = plan.prompts[(first + i) % len(plan.prompts)]
-        return stream_one(client, prompt, **plan.request_kwargs(k, plan.seed + first + i))
+        return send_one(client, prompt, **plan.request_kwargs(k, plan.seed + first + i))
 
     if load.concurrency is not None:
         run = run_closed_loop(send, load.concurrency, plan.requests_for(load), plan.duration_s)
@@ -477,7 +594,7 @@ def warm_up(client, plan: Plan) -> None:
     """One short request per K: first calls allocate caches and buffers. On the last prompt, the one
     the levels reach last."""
     kwargs = [plan.request_kwargs(k, plan.seed, max_new_tokens=8) for k in plan.ks]
-    delete_sessions(client, [stream_one(client, plan.prompts[-1], **kw) for kw in kwargs])
+    delete_sessions(client, [send_one(client, plan.prompts[-1], **kw) for kw in kwargs])
 
 
 def bench_stack(client, plan: Plan) -> list[dict]:
@@ -541,10 +658,11 @@ def private_stack(env: dict[str, str]) -> Iterator[str]:
 
     run_dir = stack.ROOT / ".run" / f"serve-bench-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)  # stack.up() makes only the last level
-    names = ("RUN_DIR", "STATE", "COORDINATOR_PORT", "DRAFT_PORT", "TARGET_PORT")
+    names = ("RUN_DIR", "STATE", "COORDINATOR_PORT", "DRAFT_PORT", "TARGET_PORT", "GATEWAY_PORT")
     saved = {name: getattr(stack, name) for name in names}
     stack.RUN_DIR, stack.STATE = run_dir, run_dir / "stack.json"
     stack.COORDINATOR_PORT, stack.DRAFT_PORT, stack.TARGET_PORT = free_port(), free_port(), free_port()
+    stack.GATEWAY_PORT = free_port()
     try:
         with bench._environment(env), redirect_stdout(sys.stderr):  # stdout carries only results
             address = stack.up()["coordinator"]
@@ -563,6 +681,11 @@ def private_stack(env: dict[str, str]) -> Iterator[str]:
 def open_client(args, drafter: bench.Drafter, peak_streams: int):
     from specdec.client import SpecdecClient
 
+    if args.openai_url:
+        with OpenAIEndpoint(args.openai_url, args.model or "", args.api_key or "") as endpoint:
+            endpoint.wait_ready(60)
+            yield endpoint
+        return
     started = nullcontext(args.address) if args.address else _started(args, drafter, peak_streams)
     with started as address, SpecdecClient(address, timeout_s=900) as client:
         client.wait_ready(60)
@@ -599,7 +722,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"one of {', '.join(bench.DRAFTERS)} or LABEL=SPEC")
     p.add_argument("--draft", default=bench.DISTILLED_DRAFT, help="the draft of the `model` drafter")
-    p.add_argument("--ks", default="0,auto", help="comma list of K, interleaved (0 is always added)")
+    p.add_argument(
+        "--ks",
+        default=None,
+        help="comma list of K, interleaved (0 is always added; default 0,auto, or auto alone with --openai-url)",
+    )
+    p.add_argument("--openai-url", help="an OpenAI-compatible server's base URL, e.g. http://HOST:8000/v1 (see above)")
+    p.add_argument("--model", help="with --openai-url: the model to request (default: the first of GET /models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="with --openai-url: a bearer key")
     p.add_argument("--concurrency", default=None, help="comma list of closed-loop stream counts (default 1,4,8)")
     p.add_argument("--request-rate", default=None, help="comma list of Poisson arrival rates, requests/s (inf ok)")
     p.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate: most streams in flight")
@@ -624,6 +754,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     """The plan from the arguments; ValueError for anything wrong."""
     if args.concurrency and args.request_rate:
         raise ValueError("give --concurrency or --request-rate, not both")
+    if args.openai_url and args.address:
+        raise ValueError("give --address (gRPC) or --openai-url (HTTP), not both")
     if args.max_concurrency is not None and not args.request_rate:
         raise ValueError("--max-concurrency caps --request-rate; with --concurrency the level is the cap")
     for name in ("num_prompts", "max_concurrency", "repeats", "max_new_tokens"):
@@ -642,7 +774,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         conversations = workloads.build_workloads(names, args.per_workload, args.max_chars)
     return Plan(
         prompts=[c.prompt for c in conversations],
-        ks=bench.parse_ks(args.ks),
+        ks=["auto"] if args.openai_url and args.ks is None else bench.parse_ks(args.ks or "0,auto"),
         loads=loads,
         num_prompts=args.num_prompts,
         duration_s=args.duration,
@@ -673,6 +805,8 @@ def run_info(args, plan: Plan, drafter: bench.Drafter) -> dict:
         "target": args.target,
         "drafter": {"label": drafter.label, "model": drafter.model, "lookup": drafter.lookup},
         "address": args.address,
+        "openai_url": args.openai_url,
+        "model": args.model,
         "commit": git_commit(),
         "ks": plan.ks,
         "loads": [load.label for load in plan.loads],

@@ -1,4 +1,5 @@
-"""Run the whole stack as local processes: Redis, target, draft, coordinator.
+"""Run the whole stack as local processes: Redis, target, draft, coordinator, and the
+OpenAI-compatible gateway (HTTP, port 8000).
 
   python scripts/stack.py run    start everything, generate for a demo prompt, print text and stats, stop
   python scripts/stack.py up     start everything and leave it running (state in .run/)
@@ -19,6 +20,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -36,6 +39,7 @@ STATE = RUN_DIR / "stack.json"
 COORDINATOR_PORT = int(os.environ.get("SPECDEC_COORDINATOR_PORT", "50051"))
 DRAFT_PORT = int(os.environ.get("SPECDEC_DRAFT_PORT", "50052"))
 TARGET_PORT = int(os.environ.get("SPECDEC_TARGET_PORT", "50053"))
+GATEWAY_PORT = int(os.environ.get("SPECDEC_GATEWAY_PORT", "8000"))
 DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences why the sky is blue.")
 DEFAULT_TARGET = DEFAULT_MODEL
 # Model-free, so it serves any target that shares its tokenizer; in `make bench` on this CPU it beat
@@ -68,6 +72,23 @@ def _wait_healthy(name: str, port: int, proc: subprocess.Popen, timeout_s: float
     raise TimeoutError(f"{name} not healthy after {timeout_s:.0f}s; see {RUN_DIR / (name + '.log')}")
 
 
+def _wait_http_healthy(name: str, port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Until GET /health answers 200 (the gateway reaches a SERVING coordinator)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; see {RUN_DIR / (name + '.log')}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    print(f"  {name:<12} serving on http://127.0.0.1:{port}/v1 (OpenAI API)")
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not healthy after {timeout_s:.0f}s; see {RUN_DIR / (name + '.log')}")
+
+
 def up() -> dict:
     if STATE.exists():
         raise SystemExit("the stack seems to be up already (.run/stack.json); run `make down` first")
@@ -95,12 +116,22 @@ def up() -> dict:
         procs["coordinator"] = _spawn("coordinator", ["-m", "coordinator", "--port", str(COORDINATOR_PORT)], env)
         for name, port in (("target", TARGET_PORT), ("draft", DRAFT_PORT), ("coordinator", COORDINATOR_PORT)):
             _wait_healthy(name, port, procs[name])
+        env["SPECDEC_GATEWAY_COORDINATOR_ADDRESS"] = f"127.0.0.1:{COORDINATOR_PORT}"
+        env.setdefault("SPECDEC_GATEWAY_MODEL_NAME", target_model)  # the id OpenAI requests name
+        procs["gateway"] = _spawn("gateway", ["-m", "gateway", "--host", "127.0.0.1", "--port", str(GATEWAY_PORT)], env)
+        _wait_http_healthy("gateway", GATEWAY_PORT, procs["gateway"])
     except BaseException:
         for proc in procs.values():
             _stop_pid(proc.pid)
         raise
     pids = {name: proc.pid for name, proc in procs.items()}
-    state = {"pids": pids, "redis_url": redis_url, "coordinator": f"127.0.0.1:{COORDINATOR_PORT}"}
+    state = {
+        "pids": pids,
+        "redis_url": redis_url,
+        "coordinator": f"127.0.0.1:{COORDINATOR_PORT}",
+        "gateway": f"http://127.0.0.1:{GATEWAY_PORT}/v1",
+        "model": env["SPECDEC_GATEWAY_MODEL_NAME"],
+    }
     STATE.write_text(json.dumps(state, indent=2))
     return state
 
@@ -129,8 +160,8 @@ def down() -> None:
         print("nothing to stop")
         return
     state = json.loads(STATE.read_text())
-    # Coordinator first, Redis last: nothing is cut off mid-round.
-    for name in ("coordinator", "draft", "target", "redis"):
+    # Gateway and coordinator first, Redis last: nothing is cut off mid-round.
+    for name in ("gateway", "coordinator", "draft", "target", "redis"):
         if name in state["pids"]:
             _stop_pid(state["pids"][name])
             print(f"  stopped {name}")
@@ -138,7 +169,7 @@ def down() -> None:
 
 
 def run() -> int:
-    print("starting redis, target, draft and coordinator (first start loads the models: ~1 min)")
+    print("starting redis, target, draft, coordinator and gateway (first start loads the models: ~1 min)")
     state = up()
     try:
         from specdec.cli import main as cli
@@ -157,8 +188,13 @@ def run() -> int:
 if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else "run"
     if command == "up":
-        up()
-        print('stack is up: `.venv/bin/specdec generate "Hello"`; stop it with `make down`')
+        started = up()
+        print(f'stack is up: `.venv/bin/specdec generate "Hello"`, or the OpenAI API at {started["gateway"]}:')
+        print(
+            f"  curl {started['gateway']}/chat/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{started["model"]}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
+        )
+        print("stop it with `make down`")
     elif command == "down":
         down()
     elif command == "run":

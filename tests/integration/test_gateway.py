@@ -4,6 +4,8 @@ servers, the gateway under a real uvicorn), through the official `openai` client
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -11,6 +13,7 @@ import pytest
 from gateway_server import chat_tokenizer_dir, serve_gateway
 from service_stack import start_stack, stop_stack
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"  # the gateway's default model_name, as the README's examples use
 FIXED_K = {"num_speculative_tokens": 2}  # a fixed K: with auto K a seed repeats the law, not the tokens
 EXACT = {**FIXED_K, "ignore_eos": True}  # exactly max_tokens tokens
@@ -264,3 +267,28 @@ def test_the_callers_key_is_what_the_coordinator_checks(tiny_loaded, tmp_path, g
                         chat(c, stream=True)
     finally:
         stop_stack(stack)
+
+
+# ---------------------------------------------------------------- the benchmark through the gateway
+
+
+def test_serve_bench_measures_the_gateway_as_any_openai_server(base_url, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import serve_bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"workload": "w", "prompt": p}) + "\n" for p in ("a b c", "c d e f")))
+    argv = ["--openai-url", base_url + "/v1", "--prompts", str(prompts), "--concurrency", "1,2", "--ks", "0,2"]
+    assert serve_bench.main([*argv, "--num-prompts", "2", "--max-new-tokens", "5", "--temperature", "1", "--json"]) == 0
+    objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    run, rows = objects[0], objects[1:]
+    assert run["openai_url"] == base_url + "/v1" and run["ks"] == [0, 2]
+    assert {(r["k"], r["load"]) for r in rows} == {(k, c) for k in (0, 2) for c in ("c=1", "c=2")}
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == 2 and r["tokens"] == 10  # ignore_eos: exactly 5 each
+        assert r["ttft_ms_p50"] > 0 and r["itl_ms_p50"] is not None
+        # From the gateway's specdec extension: K = 0 drafts nothing, one token per round.
+        if r["k"] == 0:
+            assert r["acceptance_rate"] is None and r["tokens_per_round"] == 1.0
+        else:
+            assert 0 <= r["acceptance_rate"] <= 1 and r["tokens_per_round"] >= 1.0
