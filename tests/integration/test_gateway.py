@@ -4,6 +4,8 @@ servers, the gateway under a real uvicorn), through the official `openai` client
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -292,3 +294,32 @@ def test_serve_bench_measures_the_gateway_as_any_openai_server(base_url, tmp_pat
             assert r["acceptance_rate"] is None and r["tokens_per_round"] == 1.0
         else:
             assert 0 <= r["acceptance_rate"] <= 1 and r["tokens_per_round"] >= 1.0
+
+
+# ---------------------------------------------------------------- the README's examples, as written
+
+
+def readme_examples(language: str) -> list[str]:
+    """The code blocks of README.md's gateway section in `language`."""
+    section = (ROOT / "README.md").read_text().split("\n## OpenAI-compatible gateway\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
+
+
+def test_the_readme_curl_examples_work_as_written(base_url):
+    (block,) = readme_examples("bash")
+    commands = ["curl" + c for c in block.replace("localhost:8000", base_url.removeprefix("http://")).split("curl")[1:]]
+    assert len(commands) == 2
+    outputs = [
+        subprocess.run(["bash", "-c", c], capture_output=True, text=True, timeout=60, check=True).stdout
+        for c in commands
+    ]
+    reply = json.loads(outputs[0])
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] <= 16
+    events = outputs[1].strip().split("\n\n")
+    assert events[-1] == "data: [DONE]" and json.loads(events[0].removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_the_readme_openai_example_works_as_written(base_url, capsys):
+    (block,) = readme_examples("python")
+    exec(compile(block.replace("http://localhost:8000", base_url), "README.md", "exec"), {})  # noqa: S102
+    assert capsys.readouterr().out.strip()
