@@ -4,7 +4,7 @@
 #   make deploy-tools    install the validators (idempotent; instant when already there)
 #   make images          build the CPU and CUDA images (needs a Docker engine: none runs in CI)
 #   make compose-config  docker-compose config -q + the compose-spec JSON schema
-#   make k8s-render      kustomize every overlay into build/k8s/<overlay>.yaml
+#   make k8s-render      kustomize every overlay (and k8s/monitoring) into build/k8s/<name>.yaml
 #   make k8s-validate    kubernetes-validate --strict (Kubernetes $(K8S_VERSION)) on each render
 #   make lint-deploy     all of the above but images, plus hadolint and the drift tests
 #   make certs           a throwaway CA, certificates, an API key and a Redis password for compose
@@ -71,7 +71,9 @@ images:
 	docker build --target models -t $(IMAGE)-models:$(MODELS_IMAGE_TAG) .
 
 compose-config: deploy-tools
+	@# REDIS_PASSWORD is required (${REDIS_PASSWORD:?}): a placeholder when checking the file.
 	@if command -v docker-compose >/dev/null 2>&1; then \
+	  export REDIS_PASSWORD="$${REDIS_PASSWORD:-config-check}"; \
 	  echo "docker-compose config -q"; docker-compose -f docker-compose.yml config -q \
 	  && docker-compose -f docker-compose.yml --profile gpu config -q; \
 	else echo "compose-config: WARNING: docker-compose missing; JSON schema only"; fi
@@ -83,9 +85,10 @@ k8s-render: deploy-tools
 	  echo "$(KUBECTL) kustomize k8s/overlays/$$o > $(K8S_OUT)/$$o.yaml"; \
 	  $(KUBECTL) kustomize k8s/overlays/$$o > $(K8S_OUT)/$$o.yaml || exit 1; \
 	done
+	$(KUBECTL) kustomize k8s/monitoring > $(K8S_OUT)/monitoring.yaml
 
 k8s-validate: k8s-render
-	@for o in $(OVERLAYS); do \
+	@for o in $(OVERLAYS) monitoring; do \
 	  echo "kubernetes-validate --strict -k $(K8S_VERSION) $(K8S_OUT)/$$o.yaml"; \
 	  $(VBIN)/kubernetes-validate --strict --quiet -k $(K8S_VERSION) $(K8S_OUT)/$$o.yaml || exit 1; \
 	done
