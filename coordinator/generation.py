@@ -6,9 +6,10 @@ rounds, text and stats. The gRPC servicer and the in-process mode (`specdec gene
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from coordinator.pools import PoolInfo
 from coordinator.requests import RequestParams, check_request_work, prompt_token_ids, validate_request
@@ -18,9 +19,24 @@ from coordinator.settings import CoordinatorSettings
 from specdec.core.engine import GenerationSpec, RoundEvent, Sample, SpeculativeEngine, Stats, batches, new_samples
 from specdec.core.errors import FailedPrecondition, InvalidArgument, ServiceError
 from specdec.core.protocols import Deadline
+from specdec.core.sampling import RoundResult
 from specdec.core.text import TextStream
+from specdec.rpc import logs, tracing
+from specdec.rpc.metrics import GenerationMetrics
 from specdec.rpc.wire import stats_to_proto
 from specdec.v1 import coordinator_pb2
+
+
+@dataclass
+class RoundStats(Stats):
+    """Stats that also keep each sequence's (drafted, accepted, tokens gained) of the round in
+    progress, for the per-round metrics: the engine tallies every sequence through `count`."""
+
+    round_sequences: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def count(self, drafted: int, result: RoundResult) -> None:
+        super().count(drafted, result)
+        self.round_sequences.append((drafted, len(result.accepted_tokens), len(result.tokens)))
 
 
 @dataclass
@@ -29,7 +45,7 @@ class Generation:
 
     spec: GenerationSpec
     samples: list[Sample]
-    stats: Stats
+    stats: RoundStats
     deadline: Deadline
     session_id: str  # "" for num_samples > 1 and in-process calls
     lease: SessionLease | None
@@ -37,6 +53,23 @@ class Generation:
     resumed_tokens: int = 0  # tokens a resumed generation had sent before this call
     saved: bool = False  # the session has been stored (a new one exists only from its first save)
     draft_down: bool = False  # K > 0 asked for, the draft pool down: every round is a fallback
+    arrived: float = field(default_factory=time.perf_counter)  # the call's start, for time to first token
+    last_tokens_at: float | None = None  # when a round last produced tokens
+
+
+class _Tally:
+    """What one round added to a generation's stats: the per-round metrics and span attributes."""
+
+    def __init__(self, stats: RoundStats):
+        stats.round_sequences = []
+        self._stats = stats
+        self._draft_s, self._verify_s = stats.draft_time_s, stats.verify_time_s
+
+    def read(self) -> tuple[float | None, float, list[tuple[int, int, int]]]:
+        """(Propose seconds or None when the round made no Propose, Verify seconds, per sequence
+        (drafted, accepted, gained))."""
+        draft_s = self._stats.draft_time_s - self._draft_s
+        return draft_s if draft_s > 0 else None, self._stats.verify_time_s - self._verify_s, self._stats.round_sequences
 
 
 class Generator:
@@ -53,7 +86,7 @@ class Generator:
         self.pool_info = pool_info
         self.tokenizer = tokenizer
         self.store = store  # None: no sessions (in-process)
-        self.on_finish: Callable[[Stats, int], None] = lambda stats, generated: None
+        self.metrics: GenerationMetrics | None = None  # set by a server that exports them
 
     def _session(
         self, request, num_samples: int, tenant: str, stack: ExitStack
@@ -91,7 +124,7 @@ class Generator:
             raise InvalidArgument("the prompt is empty")
         spec = self._spec(request, params, pools, history + prompt, session_id)
         samples = new_samples(spec)
-        stats = Stats(prompt_tokens=len(prompt))
+        stats = RoundStats(prompt_tokens=len(prompt))
         return Generation(spec, samples, stats, deadline, session_id, lease, draft_down=draft_down)
 
     def _resume(self, request, deadline: Deadline, stack: ExitStack, tenant: str) -> Generation:
@@ -109,7 +142,15 @@ class Generator:
         spec = replace(spec, max_draft_context=pools.draft.max_position_embeddings if pools.draft else 0)
         resumed_tokens = len(sample.generated)
         return Generation(
-            spec, [sample], Stats(), deadline, session_id, lease, first_round, resumed_tokens, draft_down=draft_down
+            spec,
+            [sample],
+            RoundStats(),
+            deadline,
+            session_id,
+            lease,
+            first_round,
+            resumed_tokens,
+            draft_down=draft_down,
         )
 
     def _spec(
@@ -140,7 +181,7 @@ class Generator:
         )
 
     def rounds(self, gen: Generation, is_active: Callable[[], bool], streaming: bool) -> Iterator[RoundEvent]:
-        """Run the engine over the samples in batches.
+        """Run the engine over the samples in batches, each round in a span of its own.
 
         A stream saves its session after each round has been handed to the client, never
         before: Redis holds no token the client was not sent, and a cut-off stream leaves a
@@ -148,7 +189,15 @@ class Generator:
         session as it was unless it returns (retrying it is its resume)."""
         for batch in batches(gen.samples, gen.spec.sample_batch_size):
             events = self.engine.run(gen.spec, batch, gen.stats, gen.deadline, gen.first_round)
-            for event in events:
+            # The engine runs a round while a sample of the batch runs: its Propose and Verify
+            # happen inside next(), so their client spans are children of the round's.
+            while any(s.running for s in batch):
+                with tracing.span("specdec.round") as span:
+                    tally = _Tally(gen.stats)
+                    event = next(events, None)
+                    if event is None:
+                        break
+                    self._observe_round(gen, event, tally, span)
                 gen.stats.draft_fallback_rounds += gen.draft_down
                 yield event  # a stream is resumed here only once gRPC has sent the round's chunk
                 if gen.lease is not None and streaming:
@@ -158,23 +207,88 @@ class Generator:
                 if not is_active():
                     return
 
+    def _observe_round(self, gen: Generation, event: RoundEvent, tally: _Tally, span) -> None:
+        draft_s, verify_s, sequences = tally.read()
+        if span is not None:
+            drafted, accepted, gained = [sum(column) for column in zip(*sequences)] or [0, 0, 0]
+            span.set_attributes(
+                {
+                    "specdec.round": event.round_index,
+                    "specdec.drafted_tokens": drafted,
+                    "specdec.accepted_tokens": accepted,
+                    "specdec.tokens": gained,
+                }
+            )
+        if self.metrics is None:
+            return
+        self.metrics.round(draft_s, verify_s, sequences)
+        if any(event.new_tokens.values()):
+            now = time.perf_counter()
+            if gen.last_tokens_at is None:
+                self.metrics.first_token(now - gen.arrived)
+            else:
+                self.metrics.next_tokens(now - gen.last_tokens_at)
+            gen.last_tokens_at = now
+
     def generate(
         self, request, deadline: Deadline, is_active: Callable[[], bool], tenant: str = ""
     ) -> coordinator_pb2.GenerateResponse:
+        arrived = time.perf_counter()
         with ExitStack() as stack:
-            gen = self.start(request, deadline, False, stack, tenant)
+            span = stack.enter_context(tracing.span("specdec.generate"))  # ends last: covers the lease's release
+            gen = self._started(request, deadline, False, stack, tenant, arrived, span)
             for _ in self.rounds(gen, is_active, streaming=False):
                 pass
             if gen.lease is not None and is_active():
                 gen.lease.save(gen.samples[0].context)
             generated = sum(len(s.generated) for s in gen.samples) - gen.resumed_tokens
-            self.on_finish(gen.stats, generated)
+            self._finished(gen, generated, span)
             completions = [self._completion(gen, s) for s in gen.samples]
             return coordinator_pb2.GenerateResponse(
                 completions=completions,
                 stats=stats_to_proto(gen.stats, generated),
                 session_id=gen.session_id,
                 seed=gen.spec.seed,
+            )
+
+    def _started(
+        self, request, deadline: Deadline, streaming: bool, stack: ExitStack, tenant: str, arrived: float, span
+    ) -> Generation:
+        """`start`, then the ids its logs and its request span (None: tracing off) carry."""
+        gen = self.start(request, deadline, streaming, stack, tenant)
+        gen.arrived = arrived
+        logs.bind_session(gen.session_id)
+        if span is not None:
+            k = gen.spec.num_speculative_tokens
+            span.set_attributes(
+                {
+                    "specdec.request_id": logs.request_id.get(),
+                    "specdec.session_id": gen.session_id,
+                    "specdec.k_policy": f"auto (max {k})" if gen.spec.auto_k else str(k),
+                    "specdec.num_samples": len(gen.samples),
+                    "specdec.streaming": streaming,
+                }
+            )
+        return gen
+
+    def _finished(self, gen: Generation, generated: int, span) -> None:
+        stats = gen.stats
+        if span is not None:
+            span.set_attributes(
+                {
+                    "specdec.prompt_tokens": stats.prompt_tokens,
+                    "specdec.generated_tokens": generated,
+                    "specdec.rounds": stats.rounds,
+                    "specdec.drafted_tokens": stats.drafted_tokens,
+                    "specdec.accepted_tokens": stats.accepted_tokens,
+                    "specdec.acceptance_rate": stats.accepted_tokens / stats.drafted_tokens
+                    if stats.drafted_tokens
+                    else 0.0,
+                }
+            )
+        if self.metrics is not None:
+            self.metrics.finished(
+                stats.prompt_tokens, generated, stats.drafted_tokens, stats.accepted_tokens, stats.rounds
             )
 
     def _completion(self, gen: Generation, sample: Sample) -> coordinator_pb2.Completion:
@@ -198,16 +312,18 @@ class Generator:
         self, request, deadline: Deadline, is_active: Callable[[], bool], tenant: str = ""
     ) -> Iterator[coordinator_pb2.GenerateChunk]:
         """One chunk per round (text deltas that never take back what they sent), then a final one."""
+        arrived = time.perf_counter()
         with ExitStack() as stack:
-            gen = self.start(request, deadline, True, stack, tenant)
+            span = stack.enter_context(tracing.span("specdec.generate_stream"))
+            gen = self._started(request, deadline, True, stack, tenant, arrived, span)
             try:
-                yield from self._chunks(gen, is_active)
+                yield from self._chunks(gen, is_active, span)
             except ServiceError as exc:
                 if gen.saved or request.session_id:  # a new session exists only once saved
                     exc.session_id = gen.session_id  # the status names the session to resume
                 raise
 
-    def _chunks(self, gen: Generation, is_active: Callable[[], bool]) -> Iterator[coordinator_pb2.GenerateChunk]:
+    def _chunks(self, gen: Generation, is_active: Callable[[], bool], span) -> Iterator[coordinator_pb2.GenerateChunk]:
         (sample,) = gen.samples
         text = TextStream(gen.spec.stop, self._sent_text(gen, sample))
         ids = {"session_id": gen.session_id, "seed": gen.spec.seed}
@@ -215,7 +331,7 @@ class Generator:
             delta = text.delta(self.engine.text_of(sample), not sample.running)
             yield coordinator_pb2.GenerateChunk(text=delta, token_ids=event.new_tokens.get(sample.index, []), **ids)
         generated = len(sample.generated) - gen.resumed_tokens
-        self.on_finish(gen.stats, generated)
+        self._finished(gen, generated, span)
         yield coordinator_pb2.GenerateChunk(
             text=text.delta(self.engine.text_of(sample), True),
             done=True,

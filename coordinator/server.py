@@ -1,12 +1,17 @@
 """Coordinator servicer: protobuf -> Generator (validation, session, engine) -> protobuf.
 
-A thin shell: it turns a gRPC context into a deadline and a liveness check, keeps token
-counters, and maps errors to statuses; `coordinator.generation` does the work.
+A thin shell: it turns a gRPC context into a deadline, a liveness check and the request id its
+log lines carry, exports the generation metrics, and maps errors to statuses;
+`coordinator.generation` does the work.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import re
+import secrets
 import time
 
 from coordinator.auth import ApiKeys
@@ -16,14 +21,15 @@ from coordinator.requests import validate_session_id
 from coordinator.resume import resumable_tokens
 from coordinator.sessions import SessionStore
 from coordinator.settings import CoordinatorSettings
-from specdec.core.engine import SpeculativeEngine, Stats
+from specdec.core.engine import SpeculativeEngine
 from specdec.core.errors import Unavailable
 from specdec.core.protocols import Deadline
 from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
-from specdec.rpc.metrics import observe_draft_health
-from specdec.rpc.server import GrpcServer, build_grpc_server
+from specdec.rpc.logs import log_context
+from specdec.rpc.metrics import GenerationMetrics, observe_draft_health
+from specdec.rpc.server import GrpcServer, build_grpc_server, configure_observability
 from specdec.rpc.tls import ChannelCertificateFiles, TlsFiles, redact_url
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -35,6 +41,37 @@ def deadline_of(context) -> Deadline:
     if remaining is None or remaining > 1e8:
         return Deadline(None)
     return Deadline(time.monotonic() + remaining)
+
+
+# A caller's own request id (a gateway's x-request-id) is kept when it is a short token.
+REQUEST_ID_KEY = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_id_of(context) -> str:
+    """The caller's x-request-id when it is a sane token, else a new random one."""
+    given = next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), "")
+    return given if isinstance(given, str) and _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+
+
+def request_scope(method):
+    """Servicer-method decorator: the call's log lines carry its request id (and session id once
+    known), error statuses included."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream_wrapper(self, request, context):
+            with log_context(request_id_of(context)):
+                yield from method(self, request, context)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        with log_context(request_id_of(context)):
+            return method(self, request, context)
+
+    return wrapper
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -55,25 +92,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         engine = SpeculativeEngine(draft, target, self.decode)
         self.generator = Generator(settings, engine, self.pools.info, tokenizer, store)
-        self._tokens_metric = self._rounds_metric = None
 
     def use_registry(self, registry) -> None:
-        """Token-level counters next to the per-call ones the interceptor keeps."""
-        self._tokens_metric = registry.counter(
-            "specdec_tokens_total", "tokens by kind: prompt, generated, drafted, accepted", ("kind",)
-        )
-        self._rounds_metric = registry.counter("specdec_rounds_total", "speculative rounds run")
-        self.generator.on_finish = self._record
-
-    def _record(self, stats: Stats, generated: int) -> None:
-        for kind, value in (
-            ("prompt", stats.prompt_tokens),
-            ("generated", generated),
-            ("drafted", stats.drafted_tokens),
-            ("accepted", stats.accepted_tokens),
-        ):
-            self._tokens_metric.inc(value, kind=kind)
-        self._rounds_metric.inc(stats.rounds)
+        """Generation metrics next to the per-call ones the interceptor keeps."""
+        self.generator.metrics = GenerationMetrics(registry, self.generator.settings.max_num_speculative_tokens)
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -82,11 +104,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The caller's tenant from its API key (UNAUTHENTICATED without a valid one; "" with keys off)."""
         return self.api_keys.tenant_of(context.invocation_metadata())
 
+    @request_scope
     @grpc_errors
     def Generate(self, request, context):  # noqa: N802 - gRPC name
         tenant = self.tenant(context)
         return self.generator.generate(request, deadline_of(context), context.is_active, tenant=tenant)
 
+    @request_scope
     @grpc_errors
     def GenerateStream(self, request, context):  # noqa: N802
         tenant = self.tenant(context)
@@ -126,6 +150,7 @@ def pool_channel_credentials(settings: CoordinatorSettings) -> ChannelCertificat
 def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcServer, int]:
     """Start the coordinator; SERVING once the tokenizer has loaded. Redis need not answer yet:
     until it does, session calls fail with UNAVAILABLE (a warning says so at start)."""
+    configure_observability("specdec-coordinator", settings)  # before the channels and the server
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer)
     store = SessionStore.from_url(
         settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s

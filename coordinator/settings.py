@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specdec.rpc.logs import check_log_format
 from specdec.rpc.server import MIN_KEEPALIVE_S
 from specdec.rpc.tls import ServerTlsSettings
 from specdec.settings import setting
@@ -96,6 +97,12 @@ class CoordinatorSettings(ServerTlsSettings):
         30.0, "GRACE_S", "on SIGTERM: seconds in-flight streams may run to completion before they are cancelled"
     )
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
+    log_format: str = setting("text", "LOG_FORMAT", "log lines: text | json (with request, session and trace ids)")
+    otlp_endpoint: str = setting(
+        "",
+        "OTLP_ENDPOINT",
+        "OpenTelemetry traces to this OTLP gRPC collector, e.g. http://otel-collector:4317 ('' = off)",
+    )
 
     def default_k(self) -> int | None:
         """The default K as an integer, None for auto; ValueError when it is neither."""
@@ -132,6 +139,7 @@ class CoordinatorSettings(ServerTlsSettings):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         self.validate_tls()
+        check_log_format(self.log_format)
         if bool(self.pool_tls_cert_file) != bool(self.pool_tls_key_file):
             raise ValueError("pool_tls_cert_file and pool_tls_key_file go together")
         if self.pool_tls_cert_file and not self.pool_tls_ca_file:

@@ -112,6 +112,8 @@ class StepScheduler:
         self._runner_ref = weakref.ref(runner)  # the registry is keyed weakly by the runner
         self.limits = limits or SchedulerLimits()
         self.stats = StepStats()
+        # Called with each step's (sequences, seconds) on the model thread (the services' histograms).
+        self.step_observers: list[Callable[[int, float], None]] = []
         self._cond = threading.Condition()
         self._incoming: list[_Task] = []  # submitted, not yet primed (under _cond)
         self._queued = 0  # tasks admitted and not finished (under _cond)
@@ -273,7 +275,10 @@ class StepScheduler:
         return len(item.token_ids) - reuse
 
     def _step(self, batch: list[_Task]) -> None:
+        started = time.perf_counter()
         results = self._forward([t.item for t in batch])
+        for observe in self.step_observers:
+            observe(len(batch), time.perf_counter() - started)
         self.stats.steps += 1
         self.stats.sequences += len(batch)
         self.stats.last_sequences = len(batch)

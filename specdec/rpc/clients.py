@@ -19,7 +19,7 @@ from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from specdec.core.protocols import Deadline, DraftProposal, DraftRequest, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling
-from specdec.rpc import wire
+from specdec.rpc import tracing, wire
 from specdec.rpc.errors import REASON_KEY, error_from_reason
 from specdec.rpc.metrics import AT_CAPACITY
 from specdec.rpc.server import grpc_message_options
@@ -79,8 +79,12 @@ def open_channel(
     if keepalive_s > 0:
         options += [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), ("grpc.keepalive_permit_without_calls", 1)]
     if credentials is None:
-        return grpc.insecure_channel(channel_target(address), options=options)
-    return grpc.secure_channel(channel_target(address), credentials, options=options)
+        channel = grpc.insecure_channel(channel_target(address), options=options)
+    else:
+        channel = grpc.secure_channel(channel_target(address), credentials, options=options)
+    # With tracing on, each call is a client span whose context travels in its metadata.
+    interceptors = tracing.client_interceptors()
+    return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
 
 
 # host:port, [v6]:port, with an optional gRPC scheme: what transport errors may name.

@@ -1,125 +1,130 @@
-"""Prometheus metrics without a dependency: counters, gauges, an HTTP /metrics endpoint,
-and a gRPC interceptor that counts calls, their status and the calls in flight.
+"""Prometheus metrics (prometheus_client): one registry per service, served on /metrics, and a
+gRPC interceptor that counts calls, their status, their duration and the calls in flight.
 
-`specdec_inflight_requests` is the per-pod load signal the model pools autoscale on.
+`specdec_inflight_requests` is the per-pod load signal the model pools autoscale on (the HPAs and
+k8s/monitoring/prometheus-adapter-values.yaml name it). Every name a dashboard may use is a
+constant or a literal in this module; README "Metrics and tracing" lists them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from specdec.core.errors import AtCapacity
 from specdec.rpc.errors import REASON_KEY
 
 # `REASON_KEY` of an admission refusal: the pod is at max_concurrent_requests.
 AT_CAPACITY = AtCapacity.reason
+INFLIGHT_METRIC = "specdec_inflight_requests"
+
+# The *_created series prometheus_client adds to every counter and histogram double the series
+# count for a timestamp no dashboard here reads.
+prometheus_client.disable_created_metrics()
+
+# Seconds, 1-2.5-5 per decade from 0.1 ms to 60 s: one ladder fits both ends of what is served.
+# On a GPU a step, a Propose or a Verify takes well under a millisecond to a few ms; on a CPU the
+# default target's step takes 100-700 ms and a request tens of seconds. Buckets 2.5x apart put a
+# percentile within that factor anywhere on that range, for 18 series per histogram.
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0,
+    10.0, 25.0, 60.0,
+)  # fmt: skip
+# A whole call may stream for minutes (4096 tokens at CPU speed).
+REQUEST_BUCKETS = (*LATENCY_BUCKETS, 120.0, 300.0, 600.0)
+# Tokens one sequence gains in a round: 1..K+1, K up to the model services' 32 (exact below 10).
+TOKENS_PER_ROUND_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 17, 25, 33)
+# Sequences in one batched model step: powers of two up to the 8192 one call may carry.
+STEP_SEQUENCES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
-    if not names:
-        return ""
-    escaped = (str(v).replace("\\", "\\\\").replace('"', '\\"') for v in values)
-    inner = ",".join(f'{n}="{v}"' for n, v in zip(names, escaped, strict=True))
-    return "{" + inner + "}"
-
-
-class _Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()):
-        self.name = name
-        self.help = help_text
-        self.label_names = labels
-        self._values: dict[tuple[str, ...], float] = defaultdict(float)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
-        return tuple(str(labels.get(n, "")) for n in self.label_names)
-
-    def value(self, **labels: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        with self._lock:
-            items = sorted(self._values.items())
-        lines += [f"{self.name}{_labels(self.label_names, key)} {value:.17g}" for key, value in items]
-        return lines
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        with self._lock:
-            self._values[self._key(labels)] += amount
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def add(self, amount: float, **labels: str) -> None:
-        with self._lock:
-            self._values[self._key(labels)] += amount
-
-    def set(self, value: float, **labels: str) -> None:
-        with self._lock:
-            self._values[self._key(labels)] = value
-
-
-class Observed(_Metric):
+class _Observed(Collector):
     """A counter or gauge read at scrape time from state another object owns (a KV cache)."""
 
     def __init__(self, name: str, help_text: str, kind: str, labels: dict[str, str], read: Callable[[], float]):
-        super().__init__(name, help_text, tuple(labels))
-        self.kind = kind
-        self._label_values = tuple(labels.values())
+        family = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}[kind]
+        self._family = lambda: family(name, help_text, labels=list(labels))
+        self._values = list(labels.values())
         self._read = read
 
-    def render(self) -> list[str]:
-        with self._lock:
-            self._values[self._label_values] = float(self._read())
-        return super().render()
+    def describe(self):
+        return [self._family()]  # names only: registering must not read the state yet
+
+    def collect(self):
+        family = self._family()
+        family.add_metric(self._values, float(self._read()))
+        return [family]
 
 
 class Registry:
+    """One service's metrics: its own CollectorRegistry, so several services in one process
+    (tests) never share or collide on a series."""
+
     def __init__(self):
-        self._metrics: dict[str, _Metric] = {}
+        self.collectors = CollectorRegistry()
+        self._observed: dict[str, _Observed] = {}
         self._lock = threading.Lock()
 
+    def counter(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
+        return _named(Counter(name, help_text, labels, registry=self.collectors), name)
+
+    def gauge(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Gauge:
+        return _named(Gauge(name, help_text, labels, registry=self.collectors), name)
+
+    def histogram(self, name: str, help_text: str, labels: Sequence[str] = (), buckets=LATENCY_BUCKETS) -> Histogram:
+        return _named(Histogram(name, help_text, labels, registry=self.collectors, buckets=buckets), name)
+
     def observe(self, name: str, help_text: str, kind: str, labels: dict[str, str], read: Callable[[], float]) -> None:
-        """Expose `read()` as a `kind` ("counter" / "gauge") metric with fixed labels."""
+        """Expose `read()` as a `kind` ("counter" / "gauge") metric with fixed labels; observing
+        the same name again replaces it (a model re-attached)."""
+        collector = _Observed(name, help_text, kind, labels, read)
         with self._lock:
-            self._metrics[name] = Observed(name, help_text, kind, labels, read)
-
-    def _get(self, cls, name: str, help_text: str, labels: tuple[str, ...]):
-        with self._lock:
-            if name not in self._metrics:
-                self._metrics[name] = cls(name, help_text, labels)
-            return self._metrics[name]
-
-    def counter(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
-        return self._get(Counter, name, help_text, labels)
-
-    def gauge(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Gauge:
-        return self._get(Gauge, name, help_text, labels)
+            old = self._observed.pop(name, None)
+            if old is not None:
+                self.collectors.unregister(old)
+            self.collectors.register(collector)
+            self._observed[name] = collector
 
     def render(self) -> str:
-        with self._lock:
-            metrics = list(self._metrics.values())
-        return "\n".join(line for m in metrics for line in m.render()) + "\n"
+        """The Prometheus text format, as /metrics serves it."""
+        return prometheus_client.generate_latest(self.collectors).decode()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """A sample's current value (e.g. "specdec_requests_total", service=..., method=..., code=...)."""
+        return self.collectors.get_sample_value(name, labels)
+
+
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """A sample's value in a /metrics body (labels compared as a set, whatever their order), None
+    when absent."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return None
+
+
+def _named(metric, name: str):
+    # prometheus_client keeps a counter's name without "_total": `name` is the exposed one.
+    metric.name = name
+    return metric
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):
-    """Counts every unary/stream call by method and status; tracks calls in flight.
+    """Counts every unary/stream call by method and status, times it, tracks calls in flight.
 
     With `max_concurrent` > 0 it is also the admission control: a call beyond that many in
     flight gets RESOURCE_EXHAUSTED at once instead of queueing for a worker thread, which
@@ -131,12 +136,15 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         self.max_concurrent = max_concurrent
         self._admitted = 0
         self._admission_lock = threading.Lock()
-        self.inflight = registry.gauge("specdec_inflight_requests", "gRPC calls being served", ("service",))
+        self.inflight = registry.gauge(INFLIGHT_METRIC, "gRPC calls being served", ("service",))
         self.calls = registry.counter("specdec_requests_total", "gRPC calls served", ("service", "method", "code"))
-        self.seconds = registry.counter(
-            "specdec_request_seconds_total", "seconds spent serving gRPC calls", ("service", "method")
+        self.duration = registry.histogram(
+            "specdec_request_duration_seconds",
+            "seconds from a gRPC call's start to its end (a stream: its last message)",
+            ("service", "method"),
+            REQUEST_BUCKETS,
         )
-        self.inflight.set(0, service=service)
+        self.inflight.labels(service=service).set(0)
 
     def _admit(self) -> bool:
         with self._admission_lock:
@@ -148,7 +156,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     @contextmanager
     def _observe(self, method: str, context) -> Iterator[None]:
         if not self._admit():
-            self.calls.inc(service=self.service, method=method, code="RESOURCE_EXHAUSTED")
+            self.calls.labels(service=self.service, method=method, code="RESOURCE_EXHAUSTED").inc()
             # The reason tells a client this RESOURCE_EXHAUSTED may succeed on another pod or a
             # little later (a message over the size limit would not).
             context.set_trailing_metadata(((REASON_KEY, AT_CAPACITY),))
@@ -156,7 +164,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.service} is at capacity ({self.max_concurrent} calls in flight); retry shortly",
             )
-        self.inflight.add(1, service=self.service)
+        inflight = self.inflight.labels(service=self.service)
+        inflight.inc()
         started = time.perf_counter()
         code = "UNKNOWN"
         try:
@@ -169,9 +178,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         finally:
             with self._admission_lock:
                 self._admitted -= 1
-            self.inflight.add(-1, service=self.service)
-            self.calls.inc(service=self.service, method=method, code=code)
-            self.seconds.inc(time.perf_counter() - started, service=self.service, method=method)
+            inflight.dec()
+            self.calls.labels(service=self.service, method=method, code=code).inc()
+            self.duration.labels(service=self.service, method=method).observe(time.perf_counter() - started)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -204,6 +213,76 @@ def _code_of(context) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else "OK"
 
 
+class GenerationMetrics:
+    """The coordinator's view of generation: latencies, rounds and the spec-decode counters.
+
+    The spec-decode counters mean what vLLM's do, counted per sequence per round: a draft is a
+    round in which a sequence was proposed at least one token; `accepted_per_pos[i]` counts drafts
+    whose token at position i was accepted (so position 0 / num_drafts is the first token's
+    acceptance rate, and the sum over positions is num_accepted_tokens).
+    """
+
+    def __init__(self, registry: Registry, positions: int = 0):
+        """`positions`: the per-position series exported from the start, at 0 (the largest K),
+        so that a rate over them starts from a sample instead of from the first acceptance."""
+        self.tokens = registry.counter(
+            "specdec_tokens_total", "tokens by kind: prompt, generated, drafted, accepted", ("kind",)
+        )
+        self.rounds = registry.counter("specdec_rounds_total", "speculative rounds run")
+        self.ttft = registry.histogram(
+            "specdec_time_to_first_token_seconds",
+            "seconds from a request's arrival to its first token",
+            (),
+            REQUEST_BUCKETS,
+        )
+        self.inter_token = registry.histogram(
+            "specdec_inter_token_latency_seconds",
+            "seconds between a request's consecutive rounds that produced tokens (one streamed chunk each)",
+        )
+        self.draft_s = registry.histogram("specdec_round_draft_seconds", "seconds of a round's Propose call")
+        self.verify_s = registry.histogram("specdec_round_verify_seconds", "seconds of a round's Verify call")
+        self.tokens_per_round = registry.histogram(
+            "specdec_tokens_per_round", "tokens one sequence gained in one round", (), TOKENS_PER_ROUND_BUCKETS
+        )
+        prefix = "specdec_spec_decode_"
+        self.num_drafts = registry.counter(f"{prefix}num_drafts_total", "sequence-rounds that drafted >= 1 token")
+        self.num_draft_tokens = registry.counter(f"{prefix}num_draft_tokens_total", "draft tokens proposed")
+        self.num_accepted = registry.counter(f"{prefix}num_accepted_tokens_total", "draft tokens accepted")
+        self.accepted_per_pos = registry.counter(
+            f"{prefix}num_accepted_tokens_per_pos_total",
+            "drafts whose token at this position was accepted",
+            ("position",),
+        )
+        for position in range(positions):
+            self.accepted_per_pos.labels(position=str(position))
+
+    def round(self, draft_s: float | None, verify_s: float, sequences: Iterable[tuple[int, int, int]]) -> None:
+        """One round: its Propose seconds (None: no Propose), its Verify seconds, and per sequence
+        (drafted, accepted, tokens gained)."""
+        if draft_s is not None:
+            self.draft_s.observe(draft_s)
+        self.verify_s.observe(verify_s)
+        for drafted, accepted, gained in sequences:
+            self.tokens_per_round.observe(gained)
+            if drafted:
+                self.num_drafts.inc()
+                self.num_draft_tokens.inc(drafted)
+                self.num_accepted.inc(accepted)
+            for position in range(accepted):
+                self.accepted_per_pos.labels(position=str(position)).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def next_tokens(self, seconds: float) -> None:
+        self.inter_token.observe(seconds)
+
+    def finished(self, prompt: int, generated: int, drafted: int, accepted: int, rounds: int) -> None:
+        for kind, value in (("prompt", prompt), ("generated", generated), ("drafted", drafted), ("accepted", accepted)):
+            self.tokens.labels(kind=kind).inc(value)
+        self.rounds.inc(rounds)
+
+
 def observe_draft_health(registry: Registry, health) -> None:
     """The draft pool's health (`specdec.core.draft_health.DraftHealth`) as read at each scrape."""
     registry.observe(
@@ -229,24 +308,8 @@ def observe_draft_health(registry: Registry, health) -> None:
     )
 
 
-def serve_metrics(registry: Registry, host: str, port: int) -> ThreadingHTTPServer:
-    """GET /metrics in Prometheus text format on a daemon thread. Returns the server (port via server_port)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server API
-            if self.path.split("?")[0] != "/metrics":
-                self.send_error(404)
-                return
-            body = registry.render().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):  # quiet
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+def serve_metrics(registry: Registry, host: str, port: int):
+    """GET /metrics in Prometheus text format on a daemon thread. Returns the HTTP server (port
+    via server_port)."""
+    server, _ = prometheus_client.start_http_server(port, host, registry.collectors)
     return server

@@ -15,8 +15,9 @@ import grpc
 from specdec.core.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from specdec.core.protocols import Deadline
 from specdec.models.layouts import AUTO, LAYOUTS
-from specdec.rpc.metrics import Registry
-from specdec.rpc.server import GrpcServer, build_grpc_server
+from specdec.rpc.logs import check_log_format
+from specdec.rpc.metrics import STEP_SEQUENCES_BUCKETS, Registry
+from specdec.rpc.server import GrpcServer, build_grpc_server, configure_observability
 from specdec.rpc.tls import ServerTlsSettings, TlsFiles
 from specdec.settings import setting
 from specdec.v1 import common_pb2
@@ -86,6 +87,12 @@ class ModelServerSettings(ServerTlsSettings):
     )
     grace_s: float = setting(10.0, "GRACE_S", "seconds to drain in-flight calls on SIGTERM")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
+    log_format: str = setting("text", "LOG_FORMAT", "log lines: text | json (with request, session and trace ids)")
+    otlp_endpoint: str = setting(
+        "",
+        "OTLP_ENDPOINT",
+        "OpenTelemetry traces to this OTLP gRPC collector, e.g. http://otel-collector:4317 ('' = off)",
+    )
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -105,6 +112,7 @@ class ModelServerSettings(ServerTlsSettings):
         if not 1 <= self.max_concurrent_requests < self.max_workers:
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
         self.validate_tls()
+        check_log_format(self.log_format)
 
 
 def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: str) -> common_pb2.ModelInfo:
@@ -262,16 +270,6 @@ def observe_scheduler(registry: Registry, scheduler, role: str) -> None:
     labels, stats = {"service": role}, scheduler.stats
     registry.observe("specdec_steps_total", "batched model steps run", "counter", labels, lambda: stats.steps)
     registry.observe(
-        "specdec_step_sequences_total",
-        "sequences over all steps (/ specdec_steps_total: mean batch size)",
-        "counter",
-        labels,
-        lambda: stats.sequences,
-    )
-    registry.observe(
-        "specdec_step_sequences", "sequences in the latest step", "gauge", labels, lambda: stats.last_sequences
-    )
-    registry.observe(
         "specdec_shared_steps_total", "steps that served more than one call", "counter", labels, lambda: stats.shared
     )
     registry.observe(
@@ -281,6 +279,17 @@ def observe_scheduler(registry: Registry, scheduler, role: str) -> None:
         labels,
         lambda: scheduler.queued,
     )
+    seconds = registry.histogram("specdec_step_seconds", "seconds of one batched model step", ("service",))
+    sequences = registry.histogram(
+        "specdec_step_sequences", "sequences one batched model step carried", ("service",), STEP_SEQUENCES_BUCKETS
+    )
+    seconds, sequences = seconds.labels(service=role), sequences.labels(service=role)
+
+    def observe(count: int, step_s: float) -> None:
+        seconds.observe(step_s)
+        sequences.observe(count)
+
+    scheduler.step_observers.append(observe)
 
 
 def start_model_server(
@@ -298,6 +307,7 @@ def start_model_server(
     the server, so the process exits instead of hanging unhealthy. A model-free draft
     attaches an object with `info` and `runner=None`: it has no KV cache to observe.
     """
+    configure_observability(f"specdec-{servicer.role}", settings)
     grpc_server = build_grpc_server(
         settings.host,
         settings.port,

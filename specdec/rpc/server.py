@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.rpc import logs, tracing
 from specdec.rpc.metrics import MetricsInterceptor, Registry, serve_metrics
 from specdec.rpc.tls import TlsFiles, server_credentials
 
@@ -93,7 +94,11 @@ def build_grpc_server(
         + grpc_message_options(max_message_mb)
         + connection_age_options(max_connection_age_s)
         + KEEPALIVE_SERVER_OPTIONS,
-        interceptors=[MetricsInterceptor(registry, metrics_label, max_concurrent_requests)],
+        # Tracing outermost: a call refused at capacity still has its span.
+        interceptors=[
+            *tracing.server_interceptors(),
+            MetricsInterceptor(registry, metrics_label, max_concurrent_requests),
+        ],
     )
     register(server)
     health_servicer = health.HealthServicer()
@@ -137,5 +142,13 @@ def serve_until_signal(grpc_server: GrpcServer, grace_s: float, on_stop: Callabl
     return 1 if grpc_server.failed else 0
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str, log_format: str = "text") -> None:
+    logs.configure_logging(level, log_format)
+
+
+def configure_observability(service_name: str, settings) -> None:
+    """A service process's log format and tracing, from its settings (`log_format`,
+    `otlp_endpoint`); the defaults (text, no endpoint) change nothing. Before its server is built:
+    the server's interceptors depend on it."""
+    logs.use_format(settings.log_format)
+    tracing.configure_tracing(service_name, settings.otlp_endpoint)

@@ -48,11 +48,11 @@ def test_calls_beyond_the_limit_get_resource_exhausted_and_health_still_answers(
             release.set()
             first.join(10)
             assert call(b"three", timeout=5) == b"three"  # admitted again once the first finished
-        text = server.registry.render()
-        assert 'specdec_requests_total{service="test",method="Block",code="RESOURCE_EXHAUSTED"} 1' in text
-        assert 'specdec_requests_total{service="test",method="Block",code="OK"} 2' in text
+        calls = {"name": "specdec_requests_total", "service": "test", "method": "Block"}
+        assert server.registry.value(**calls, code="RESOURCE_EXHAUSTED") == 1
+        assert server.registry.value(**calls, code="OK") == 2
         deadline = time.monotonic() + 5
-        while 'specdec_inflight_requests{service="test"} 0' not in server.registry.render():
+        while server.registry.value("specdec_inflight_requests", service="test") != 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
