@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("specdec", "coordinator", "draft_service", "target_service")
-SERVICES = ("coordinator", "draft_service", "target_service")
+PACKAGES = ("specdec", "coordinator", "draft_service", "target_service", "gateway")
+SERVICES = ("coordinator", "draft_service", "target_service", "gateway")
 TOOLS = ("specdec.client", "specdec.cli", "specdec.inprocess", "specdec.distill", "specdec.local_redis")
 
 
