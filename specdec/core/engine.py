@@ -53,7 +53,7 @@ class GenerationSpec:
     num_samples: int = 1
     max_context: int = 0  # the target's position limit (0 = unknown)
     max_draft_context: int = 0  # the draft's position limit (0 = unknown)
-    cache_key: str = ""  # the model services' KV-cache key, used by single-sample requests
+    cache_key: str = ""  # the model services' KV-cache key ("" = run uncached)
     sample_batch_size: int = 1024
     # The draft reads the target's hidden states (ModelInfo.needs_target_hidden_states).
     draft_needs_hidden: bool = False
@@ -63,10 +63,12 @@ class GenerationSpec:
     # auto K estimates Verify lengths it has not timed yet.
     verify_costs: tuple[float, ...] = ()
 
-    @property
-    def model_cache_key(self) -> str:
-        # Samples of one request would evict each other's entries: they run uncached.
-        return self.cache_key if self.num_samples == 1 else ""
+    def sample_cache_key(self, index: int) -> str:
+        """The model services' KV-cache key of sample `index`: each of several samples has its own
+        entry (they diverge after the prompt), so no round recomputes a prefix."""
+        if self.num_samples == 1 or not self.cache_key:
+            return self.cache_key
+        return f"{self.cache_key}/{index}"
 
 
 @dataclass
@@ -247,7 +249,7 @@ class SpeculativeEngine:
             return None, 0.0
         requests = [
             DraftRequest(
-                cache_key=spec.model_cache_key,
+                cache_key=spec.sample_cache_key(running[i].index),
                 prefix_token_ids=list(running[i].context),
                 num_draft_tokens=ks[i],
                 seed=derive_seed(spec.seed, running[i].index, round_index, _DRAFT_STREAM),
@@ -295,7 +297,7 @@ class SpeculativeEngine:
     ) -> tuple[RoundEvent, float, list[RoundResult]]:
         """The round's event, the seconds the Verify took, and each sample's round result."""
         requests = [
-            VerifyRequest(spec.model_cache_key, list(s.context), drafts[i].tokens, sequence=s.index)
+            VerifyRequest(spec.sample_cache_key(s.index), list(s.context), drafts[i].tokens, sequence=s.index)
             for i, s in enumerate(running)
         ]
         started = time.perf_counter()

@@ -136,6 +136,31 @@ def test_stats_count_a_round_once_however_many_samples_run(local_pair):
     assert all(s.finish_reason == FINISH_LENGTH for s in samples)
 
 
+def test_samples_run_on_their_own_cache_entries_and_sample_as_uncached_ones(tiny_loaded):
+    """Each of several samples has its own KV-cache entry, so a round runs only its new tokens
+    (no prefix recomputed); the tokens are those of the same seeded run without a cache."""
+    drafter = LocalDrafter(tiny_loaded["draft"].runner)
+    verifier = LocalVerifier(tiny_loaded["target"].runner)
+    target_cache = tiny_loaded["target"].runner.cache
+    keys: set[str] = set()
+
+    class Recording:
+        def verify(self, requests, sampling, deadline):
+            keys.update(r.cache_key for r in requests)
+            return verifier.verify(requests, sampling, deadline)
+
+    hits, misses = target_cache.hits, target_cache.misses
+    cached, stats, _ = _run(drafter, Recording(), num_samples=3, cache_key="req", seed=9)
+    assert keys == {"req/0", "req/1", "req/2"}
+    # One miss per sample (its first round); every later Verify of a sample reuses its entry.
+    assert (target_cache.misses - misses, target_cache.hits - hits) == (3, stats.sample_rounds - 3)
+    for key in keys:
+        assert target_cache.token_ids(key) is not None
+        target_cache.drop(key)
+    uncached, _, _ = _run(drafter, verifier, num_samples=3, cache_key="", seed=9)
+    assert [s.generated for s in cached] == [s.generated for s in uncached]
+
+
 def test_a_passed_deadline_stops_an_in_process_call(local_pair):
     spec = GenerationSpec([1, 2, 3], 8, Sampling(1.0), seed=1, num_speculative_tokens=2)
     engine = SpeculativeEngine(*local_pair, _decode)
