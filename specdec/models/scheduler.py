@@ -10,6 +10,11 @@ task runs even when it alone is larger), and takes tasks oldest first, so a task
 until every task admitted before it has finished. Deadlines and cancellation are checked before
 each step of a task; an error fails only the tasks it concerns.
 
+A new call waits (at most `batch_wait_s`) only for sessions whose next call is due within that
+wait: `CompanyForecast` learns each session's usual gap between the end of one call and the
+next (its coordinator's work between rounds, the other pool's call) and forgets a session that
+is overdue or did not come when it was waited for (its stream ended).
+
 `run_tasks` drives tasks to completion on the calling thread, with no scheduler: the reference
 the scheduler is tested against, and the path of direct calls (tests, tools).
 """
@@ -40,8 +45,13 @@ SessionTask = tuple[str, Task]
 # sequence's logits rather than one per sequence): what it returns is what the tasks receive.
 Prepare = Callable[[list[LogitsResult]], Sequence[Any]]
 
-# A recently stepped session counts as company worth waiting for during this long.
+# A session whose last call ended longer ago than this is company no longer (nor such a gap a
+# stream's cadence: its client paused).
 COMPANY_WINDOW_S = 1.0
+# Smoothing of the gap estimates (as TCP's round-trip estimator: mean and mean deviation).
+GAP_GAIN, DEV_GAIN = 0.25, 0.25
+# Sessions whose cadence is remembered (least recently ended forgotten first).
+MAX_CADENCES = 4096
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,76 @@ class StepStats:
     last_sequences: int = 0
     shared: int = 0  # steps that carried the sequences of more than one call
     sizes: collections.Counter = field(default_factory=collections.Counter)  # items per step -> steps
+    company_waits: int = 0  # iterations that waited for an expected session
+    company_missed: int = 0  # expected sessions that did not come within the wait (then forgotten)
+
+
+@dataclass
+class _Cadence:
+    gap: float  # smoothed seconds from the end of one of the session's calls to its next call
+    dev: float  # smoothed mean deviation of those gaps
+
+    def learn(self, gap: float) -> None:
+        self.dev += DEV_GAIN * (abs(gap - self.gap) - self.dev)
+        self.gap += GAP_GAIN * (gap - self.gap)
+
+
+class CompanyForecast:
+    """Which absent sessions a new call should wait for: those whose next call is due.
+
+    A session is *away* from the end of a call until its next call arrives; the gaps seen so far
+    (per session, and over all sessions for one not seen twice yet) say when it is due. An away
+    session is expected when it is due by the end of the wait (within twice its deviation);
+    forgotten when it is overdue (later than four deviations or the wait, whichever is longer,
+    as a finished stream is), when it was waited for and did not come, and after
+    COMPANY_WINDOW_S. With no gap known anywhere yet, an away session is expected once.
+    Times are the caller's (time.monotonic() in the scheduler); model thread only.
+    """
+
+    def __init__(self):
+        self._away: dict[str, float] = {}  # session -> when its last call ended
+        self._cadence: collections.OrderedDict[str, _Cadence] = collections.OrderedDict()
+        self._pool: _Cadence | None = None  # over all sessions' gaps
+
+    def ended(self, session: str, at: float) -> None:
+        if session:
+            self._away[session] = at
+
+    def arrived(self, session: str, at: float) -> None:
+        ended = self._away.pop(session, None)
+        if ended is None or not 0 <= at - ended < COMPANY_WINDOW_S:
+            return
+        gap = at - ended
+        for cadence in (self._cadence.get(session), self._pool):
+            if cadence is not None:
+                cadence.learn(gap)
+        if session not in self._cadence:
+            self._cadence[session] = _Cadence(gap, gap / 4)
+        self._cadence.move_to_end(session)
+        if len(self._cadence) > MAX_CADENCES:
+            self._cadence.popitem(last=False)
+        if self._pool is None:
+            self._pool = _Cadence(gap, gap / 4)
+
+    def expected(self, now: float, until: float, slack: float) -> set[str]:
+        """Away sessions due by `until` (the end of the wait, `slack` long); drops the overdue."""
+        due = set()
+        for session, ended in list(self._away.items()):
+            cadence = self._cadence.get(session, self._pool)
+            if now - ended >= COMPANY_WINDOW_S:
+                del self._away[session]
+            elif cadence is None:
+                due.add(session)
+            elif now > ended + cadence.gap + max(4 * cadence.dev, slack):
+                del self._away[session]  # overdue: its stream ended or paused
+            elif ended + cadence.gap - 2 * cadence.dev <= until:
+                due.add(session)
+        return due
+
+    def missed(self, sessions) -> None:
+        """Sessions waited for that did not come: expected no more until their next call."""
+        for session in sessions:
+            self._away.pop(session, None)
 
 
 class StepScheduler:
@@ -118,10 +198,10 @@ class StepScheduler:
         self._incoming: list[_Task] = []  # submitted, not yet primed (under _cond)
         self._queued = 0  # tasks admitted and not finished (under _cond)
         self._scheduled = False  # an iteration is queued or running on the model thread (under _cond)
-        self._closed = False
+        self._closed: str | None = None  # set by close(): why calls are refused
         # Model thread only:
         self._tasks: list[_Task] = []  # primed tasks, oldest first
-        self._recent: dict[str, float] = {}  # session id -> when it last stepped
+        self._company = CompanyForecast()
 
     @property
     def runner(self):
@@ -137,10 +217,18 @@ class StepScheduler:
     def configure(self, limits: SchedulerLimits) -> None:
         self.limits = limits  # read afresh by each iteration
 
-    def close(self) -> None:
-        """Refuse new calls (UNAVAILABLE); admitted ones still finish."""
+    def close(self, reason: str = "the model service is shutting down", wait_s: float = 5.0) -> bool:
+        """Refuse new calls and fail the admitted ones (Unavailable with `reason`) at once: none
+        runs another step, and no iteration is queued after the one in progress (waited for up
+        to `wait_s`). True when the model thread is then free of this scheduler."""
         with self._cond:
-            self._closed = True
+            self._closed = f"{reason}; retry on another replica"
+            # Their callers return now; the model thread drops the tasks (their generators are
+            # its own) in the next iteration, which steps nothing.
+            for task in self._incoming + self._tasks:
+                task.call.fail(Unavailable(self._closed))
+            self._cond.notify_all()  # an iteration waiting for company
+            return self._cond.wait_for(lambda: not self._scheduled, wait_s)
 
     # ------------------------------------------------------------ callers' side
 
@@ -161,8 +249,8 @@ class StepScheduler:
     def _admit(self, tasks: Sequence[SessionTask], call: _Call) -> None:
         now = time.monotonic()
         with self._cond:
-            if self._closed:
-                raise Unavailable("the model service is shutting down")
+            if self._closed is not None:
+                raise Unavailable(self._closed)
             limit = self.limits.max_queued_sequences
             # A call larger than the whole queue still runs once the queue is empty.
             if self._queued and self._queued + len(tasks) > limit:
@@ -192,6 +280,9 @@ class StepScheduler:
         """One step on the model thread: wait briefly for company, gather, forward, route."""
         batch: list[_Task] = []
         try:
+            if self._closed is not None:
+                self._drop_all()
+                return
             self._wait_for_company()
             self._take_incoming()
             batch = self._select()
@@ -206,28 +297,44 @@ class StepScheduler:
             self._reschedule()
 
     def _wait_for_company(self) -> None:
-        """Wait (at most batch_wait_s after the oldest waiting task arrived) while sessions that
-        stepped recently are absent: a call between two rounds of its stream is about to arrive."""
+        """Wait (at most batch_wait_s after the oldest waiting task arrived) while a session
+        whose next call is due by then is absent: a stream between two rounds."""
         wait_s = self.limits.batch_wait_s
         if wait_s <= 0:
             return
-        now = time.monotonic()
-        self._recent = {s: t for s, t in self._recent.items() if now - t < COMPANY_WINDOW_S}
         with self._cond:
-            while self._recent:
-                if not (self._tasks or self._incoming):
-                    return
-                oldest = (self._tasks or self._incoming)[0].admitted_at  # both lists are oldest first
-                left = oldest + wait_s - time.monotonic()
-                present = {t.session_id for t in self._tasks} | {t.session_id for t in self._incoming}
-                if left <= 0 or all(s in present for s in self._recent):
-                    return
-                self._cond.wait(left)
+            waiting = self._tasks or self._incoming  # both lists are oldest first
+            if not waiting:
+                return
+            until = waiting[0].admitted_at + wait_s
+            expected = self._company.expected(time.monotonic(), until, wait_s)
+            waited = False
+            while expected and self._closed is None:
+                expected -= {t.session_id for t in self._tasks} | {t.session_id for t in self._incoming}
+                left = until - time.monotonic()
+                if expected and left <= 0:
+                    if waited:  # (a call that has already waited its window at arrival marks none)
+                        self._company.missed(expected)
+                        self.stats.company_missed += len(expected)
+                    break
+                if expected:
+                    waited = True
+                    self._cond.wait(left)
+            self.stats.company_waits += waited
+
+    def _drop_all(self) -> None:
+        """Closed: every task leaves unstepped (their calls have failed already)."""
+        with self._cond:
+            new, self._incoming = self._incoming, []
+        for task in self._tasks + new:
+            self._drop(task)
+        self._compact()
 
     def _take_incoming(self) -> None:
         with self._cond:
             new, self._incoming = self._incoming, []
         for task in new:
+            self._company.arrived(task.session_id, task.admitted_at)
             # Priming runs the task's set-up on this thread (torch ops stay on the model thread).
             self._tasks.append(task)
             self._advance(task, None)
@@ -284,11 +391,8 @@ class StepScheduler:
         self.stats.last_sequences = len(batch)
         self.stats.sizes[len(batch)] += 1
         self.stats.shared += len({id(t.call) for t in batch}) > 1
-        now = time.monotonic()
         by_call: dict[_Call, list[tuple[_Task, LogitsResult]]] = {}
         for task, result in zip(batch, results, strict=True):
-            if task.session_id:
-                self._recent[task.session_id] = now
             if isinstance(result, BaseException):
                 self._fail(task, result)
             else:
@@ -345,6 +449,7 @@ class StepScheduler:
     def _finish(self, task: _Task) -> None:
         if not task.done:
             task.done = True
+            self._company.ended(task.session_id, time.monotonic())
             with self._cond:
                 self._queued -= 1
 
@@ -357,6 +462,7 @@ class StepScheduler:
                 self._submit_iteration()
             else:
                 self._scheduled = False
+                self._cond.notify_all()  # close() waits for this
 
 
 # ---------------------------------------------------------------- a step's forwards

@@ -1,0 +1,170 @@
+"""Whom a new call waits for (CompanyForecast, on given times), and StepScheduler.close()."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from test_scheduler import FakeRunner, call_in_thread, session_task, wait_queued
+
+from specdec.core.errors import Unavailable
+from specdec.models import scheduler as scheduler_module
+from specdec.models.scheduler import COMPANY_WINDOW_S, CompanyForecast, SchedulerLimits, StepScheduler
+
+WAIT = 0.002  # the default batch wait
+
+
+def learned(gaps: list[float], session: str = "a", start: float = 100.0) -> tuple[CompanyForecast, float]:
+    """A forecast that saw `session` come back after each gap; returns it and when its last call ended."""
+    forecast, now = CompanyForecast(), start
+    for gap in gaps:
+        forecast.ended(session, now)
+        now += gap
+        forecast.arrived(session, now)
+        now += 0.05  # its call runs
+    forecast.ended(session, now)
+    return forecast, now
+
+
+def test_with_no_gap_known_an_away_session_is_expected_once():
+    forecast = CompanyForecast()
+    forecast.ended("a", 10.0)
+    assert forecast.expected(10.001, 10.003, WAIT) == {"a"}
+    forecast.missed({"a"})  # it did not come within the wait
+    assert forecast.expected(10.004, 10.006, WAIT) == set()
+    forecast.ended("", 10.0)  # uncached sequences are nobody's company
+    assert forecast.expected(10.004, 10.006, WAIT) == set()
+
+
+def test_a_session_is_expected_only_when_its_next_call_is_due_within_the_wait():
+    forecast, ended = learned([0.010] * 6)
+    assert forecast.expected(ended + 0.001, ended + 0.003, WAIT) == set()  # due in 10 ms: not now
+    assert forecast.expected(ended + 0.009, ended + 0.011, WAIT) == {"a"}  # due within the wait
+    assert forecast.expected(ended + 0.011, ended + 0.013, WAIT) == {"a"}  # a little late: still coming
+
+
+def test_an_overdue_session_is_forgotten_as_a_finished_stream_is():
+    forecast, ended = learned([0.010] * 6)
+    assert forecast.expected(ended + 0.030, ended + 0.032, WAIT) == set()
+    assert forecast.expected(ended + 0.009, ended + 0.011, WAIT) == set()  # forgotten, not merely skipped
+    forecast.arrived("a", ended + 0.040)  # it was not away: this late call teaches nothing
+    forecast.ended("a", ended + 0.050)
+    assert forecast.expected(ended + 0.051, ended + 0.053, WAIT) == set()
+    assert forecast.expected(ended + 0.059, ended + 0.061, WAIT) == {"a"}  # expected again, when due
+
+
+def test_a_session_seen_once_is_expected_on_the_cadence_of_the_others():
+    forecast, ended = learned([0.010] * 6)
+    forecast.ended("b", ended)  # b has not come back yet: its gap is unknown
+    assert forecast.expected(ended + 0.001, ended + 0.003, WAIT) == set()
+    assert forecast.expected(ended + 0.009, ended + 0.011, WAIT) == {"a", "b"}
+
+
+def test_jittery_gaps_widen_the_window_a_session_is_expected_in():
+    steady, steady_end = learned([0.010] * 8)
+    jittery, jittery_end = learned([0.004, 0.016] * 4)
+    assert steady.expected(steady_end + 0.005, steady_end + 0.007, WAIT) == set()
+    assert jittery.expected(jittery_end + 0.005, jittery_end + 0.007, WAIT) == {"a"}
+
+
+def test_nobody_is_expected_after_the_company_window_nor_is_a_long_pause_learned():
+    forecast = CompanyForecast()
+    forecast.ended("a", 0.0)
+    assert forecast.expected(COMPANY_WINDOW_S + 0.1, COMPANY_WINDOW_S + 0.2, WAIT) == set()
+    forecast.arrived("a", COMPANY_WINDOW_S + 0.5)  # a client's pause, not a stream's cadence
+    forecast.ended("a", COMPANY_WINDOW_S + 0.6)
+    forecast.ended("b", COMPANY_WINDOW_S + 0.6)
+    assert forecast.expected(COMPANY_WINDOW_S + 0.601, COMPANY_WINDOW_S + 0.603, WAIT) == {"a", "b"}  # no gap known
+
+
+def test_cadences_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "MAX_CADENCES", 3)
+    forecast = CompanyForecast()
+    for i in range(10):
+        forecast.ended(f"s{i}", float(i))
+        forecast.arrived(f"s{i}", i + 0.01)
+    assert list(forecast._cadence) == ["s7", "s8", "s9"]
+
+
+# ---------------------------------------------------------------- through the scheduler
+
+
+def test_a_session_whose_stream_ended_is_waited_for_at_most_once():
+    """ "a" ran a few rounds and stopped; "b"'s five calls that follow wait for it once at most
+    (before: every call within a second of a's last one waited the whole window)."""
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.05))
+    for _ in range(3):
+        s.run([("a", session_task("a"))])
+        time.sleep(0.01)
+    for _ in range(5):
+        s.run([("b", session_task("b"))])
+    assert s.stats.company_waits <= 1 and s.stats.company_missed == s.stats.company_waits, s.stats
+    assert runner.sessions()[3:] == [["b"]] * 5
+
+
+def test_a_session_not_due_within_the_wait_is_not_waited_for():
+    """ "a" comes back every ~150 ms; a call of "b" just after a's call ended does not wait for it."""
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.02))
+    for _ in range(5):
+        s.run([("a", session_task("a"))])
+        time.sleep(0.15)
+    s.run([("a", session_task("a"))])
+    s.run([("b", session_task("b"))])
+    assert s.stats.company_waits == 0, s.stats
+
+
+def test_a_session_due_within_the_wait_is_waited_for_and_shares_the_step():
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.3))
+    rounds, ended = 6, threading.Event()
+
+    def stream():
+        for i in range(rounds):
+            s.run([("a", session_task("a"))])
+            if i == rounds - 2:
+                ended.set()
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert ended.wait(10)
+    time.sleep(0.05)  # a's next call is due in ~50 ms, within b's wait
+    s.run([("b", session_task("b"))])
+    thread.join(10)
+    assert ["a", "b"] in [sorted(step) for step in runner.sessions()], runner.sessions()
+    assert s.stats.company_waits >= 1
+
+
+# ---------------------------------------------------------------- close
+
+
+def test_close_fails_admitted_calls_at_once_steps_nothing_more_and_refuses_new_ones():
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0))
+    release = runner.hold()
+    joins = [call_in_thread(s, [(name, session_task(name, steps=3))]) for name in ("a", "b")]
+    wait_queued(s, 2)
+    assert s.close(wait_s=0.05) is False  # the model thread is busy: the iteration is still queued
+    for join in joins:
+        result, error = join()  # returned before the model thread is free
+        assert isinstance(error, Unavailable) and "shutting down" in str(error) and result is None
+    release.set()
+    assert s.close(wait_s=5) is True
+    assert runner.steps == [] and s.queued == 0
+    with pytest.raises(Unavailable, match="shutting down"):
+        s.run([("c", session_task("c"))])
+
+
+def test_close_ends_a_wait_for_company():
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=30.0))
+    s.run([("a", session_task("a"))])  # "a" is away: "b" would wait up to 30 s for it
+    join = call_in_thread(s, [("b", session_task("b"))])
+    wait_queued(s, 1)
+    started = time.monotonic()
+    assert s.close() is True
+    assert isinstance(join()[1], Unavailable)
+    assert time.monotonic() - started < 10
