@@ -16,7 +16,7 @@ from specdec.settings import load_settings
 
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(DraftSettings, sys.argv[1:] if argv is None else argv, prog="draft_service")
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)  # text or JSON from the first line on
     grpc_server, _ = create_server(settings)
     sys.exit(serve_until_signal(grpc_server, settings.grace_s))
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 
-import uvicorn
-
-from gateway.app import create_app
 from gateway.coordinator_client import CoordinatorClient
+from gateway.server import build_server
 from gateway.settings import GatewaySettings
-from specdec.rpc.server import configure_logging
+from specdec.rpc.logs import configure_logging
 from specdec.rpc.tracing import configure_tracing
 from specdec.settings import load_settings
 
@@ -19,23 +17,14 @@ log = logging.getLogger("gateway")
 
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(GatewaySettings, sys.argv[1:] if argv is None else argv, prog="gateway")
-    configure_logging(settings.log_level)
-    configure_tracing("gateway", settings.otlp_endpoint)
+    configure_logging(settings.log_level, settings.log_format)
+    configure_tracing("specdec-gateway", settings.otlp_endpoint)
     if not settings.tls_cert_file:
         log.warning("serving plain HTTP (no tls_cert_file): only for loopback, tests and `make up`")
     client = CoordinatorClient(
         settings.coordinator_address, settings.coordinator_tls_ca_file, settings.request_timeout_s
     )
-    uvicorn.run(
-        create_app(settings, client),
-        host=settings.host,
-        port=settings.port,
-        ssl_certfile=settings.tls_cert_file or None,
-        ssl_keyfile=settings.tls_key_file or None,
-        log_level=settings.log_level.lower(),
-        # In-flight streams get this long to finish on SIGTERM (uvicorn then cancels them).
-        timeout_graceful_shutdown=30,
-    )
+    build_server(settings, client).run()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from gateway.errors import error_body, from_rpc_error, from_service_error
 from gateway.http_metrics import HttpMetrics
 from gateway.mapping import Renderer, chat_request, check_extra_fields, check_model, completion_request, sse
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.request_scope import REQUEST_ID_HEADER, RequestScope
 from gateway.settings import GatewaySettings
 from specdec.core.errors import ServiceError
 
@@ -31,14 +32,16 @@ log = logging.getLogger(__name__)
 
 
 def forwarded_metadata(request: Request) -> tuple:
-    """The client's `Authorization` header as the coordinator's `authorization` metadata: the
-    gateway holds no keys, the coordinator checks them."""
+    """The request id (`RequestScope`) as the coordinator's `x-request-id` metadata, and the
+    client's `Authorization` header as its `authorization`: the gateway holds no keys, the
+    coordinator checks them."""
+    request_id = (REQUEST_ID_HEADER, request.state.request_id)
     value = request.headers.get("authorization", "")
     if not value:
-        return ()
+        return (request_id,)
     if not (value.isascii() and value.isprintable()):  # gRPC metadata cannot carry it
         raise ServiceError("malformed Authorization header", code="UNAUTHENTICATED")
-    return (("authorization", value),)
+    return (request_id, ("authorization", value))
 
 
 def _json_error(status: int, body: dict) -> JSONResponse:
@@ -116,6 +119,7 @@ def create_app(settings: GatewaySettings, client: CoordinatorClient) -> FastAPI:
         redoc_url=None,
     )
     app.add_middleware(HttpMetrics)
+    app.add_middleware(RequestScope)  # outermost: its span and log context cover everything inside
     _add_error_handlers(app)
     started = int(time.time())
 

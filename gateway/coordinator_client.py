@@ -1,19 +1,34 @@
-"""The coordinator, reached over grpc.aio from the gateway's event loop.
+"""The coordinators, reached over grpc.aio from the gateway's event loop.
 
 The channel is opened on first use, inside the loop that serves requests (a grpc.aio channel
-belongs to the loop it was made in), with the tracing interceptors configured by then.
+belongs to the loop it was made in), with the tracing interceptors configured by then. Calls go
+round-robin over every address the target resolves to (a comma list, or `dns:///` a headless
+Service): one long-lived HTTP/2 connection to one ClusterIP would pin all of a gateway's calls on
+one coordinator.
 """
 
 from __future__ import annotations
 
+import json
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.rpc.clients import channel_target
 from specdec.rpc.tls import read_file
 from specdec.rpc.tracing import aio_client_interceptors
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the coordinator's default max_message_mb
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
+def channel_options() -> list[tuple[str, object]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.service_config", ROUND_ROBIN),
+    ]
 
 
 class CoordinatorClient:
@@ -23,14 +38,12 @@ class CoordinatorClient:
 
     def _stubs(self) -> tuple[coordinator_pb2_grpc.CoordinatorStub, health_pb2_grpc.HealthStub]:
         if self._channel is None:
-            options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-            options.append(("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
-            interceptors = aio_client_interceptors()
+            target, options, interceptors = channel_target(self.address), channel_options(), aio_client_interceptors()
             if self.tls_ca_file:
                 credentials = grpc.ssl_channel_credentials(root_certificates=read_file(self.tls_ca_file))
-                self._channel = grpc.aio.secure_channel(self.address, credentials, options, interceptors=interceptors)
+                self._channel = grpc.aio.secure_channel(target, credentials, options, interceptors=interceptors)
             else:
-                self._channel = grpc.aio.insecure_channel(self.address, options, interceptors=interceptors)
+                self._channel = grpc.aio.insecure_channel(target, options, interceptors=interceptors)
             self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._coordinator, self._health

@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specdec.rpc.logs import check_log_format
 from specdec.settings import setting
 
 
@@ -15,7 +16,11 @@ class GatewaySettings:
 
     host: str = setting("0.0.0.0", "HOST", "address to bind")
     port: int = setting(DEFAULT_PORT, "PORT", "HTTP port (0 = any free port)")
-    coordinator_address: str = setting("localhost:50051", "COORDINATOR_ADDRESS", "the coordinator: host:port")
+    coordinator_address: str = setting(
+        "localhost:50051",
+        "COORDINATOR_ADDRESS",
+        "the coordinators: host:port, a comma list, or a gRPC target (dns:///...); calls go round-robin",
+    )
     coordinator_tls_ca_file: str = setting(
         "", "COORDINATOR_TLS_CA_FILE", "CA of the coordinator's certificate (set = TLS to it; empty = plaintext)"
     )
@@ -29,6 +34,7 @@ class GatewaySettings:
     # A JSON body may escape each character of a prompt the coordinator accepts (1 MiB) in up to 6 bytes.
     max_body_bytes: int = setting(8 << 20, "MAX_BODY_BYTES", "largest request body; larger ones get HTTP 413")
     log_level: str = setting("info", "LOG_LEVEL", "logging level")
+    log_format: str = setting("text", "LOG_FORMAT", "log lines: text | json (with request and trace ids)")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -39,3 +45,4 @@ class GatewaySettings:
             raise ValueError("request_timeout_s and max_body_bytes must be > 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        check_log_format(self.log_format)

@@ -28,23 +28,22 @@ def chat_tokenizer_dir(model_dir: str, directory: Path) -> str:
 @contextmanager
 def serve_gateway(coordinator_address: str, client=None, **overrides):
     """The gateway for `coordinator_address` (or in front of `client`, a stand-in for the
-    CoordinatorClient); yields its base URL (http://127.0.0.1:PORT), stopped on exit."""
-    import uvicorn
-
-    from gateway.app import create_app
+    CoordinatorClient), built as `python -m gateway` builds it; yields its base URL
+    (http://127.0.0.1:PORT, https:// with tls_cert_file), stopped on exit."""
     from gateway.coordinator_client import CoordinatorClient
+    from gateway.server import build_server
     from gateway.settings import GatewaySettings
     from specdec.local_redis import free_port
     from specdec.settings import load_settings
 
     port = free_port()
+    overrides = {"log_level": "warning", **overrides}
     settings = load_settings(
         GatewaySettings, [], {}, host="127.0.0.1", port=port, coordinator_address=coordinator_address, **overrides
     )
     if client is None:
         client = CoordinatorClient(coordinator_address, settings.coordinator_tls_ca_file, settings.request_timeout_s)
-    config = uvicorn.Config(create_app(settings, client), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
+    server = build_server(settings, client)
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -53,7 +52,7 @@ def serve_gateway(coordinator_address: str, client=None, **overrides):
             raise RuntimeError("the gateway did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if settings.tls_cert_file else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)

@@ -271,6 +271,69 @@ def test_the_callers_key_is_what_the_coordinator_checks(tiny_loaded, tmp_path, g
         stop_stack(stack)
 
 
+# ---------------------------------------------------------------- load spreading, logs
+
+
+def test_calls_go_round_robin_over_every_coordinator_of_the_address(gateway_stack):
+    """Two coordinators over the same pools behind one comma list (a headless Service's DNS
+    answer is the same to the channel): both serve, not only the first."""
+    from coordinator.server import create_server
+    from specdec.models.sources import load_tokenizer
+
+    first = gateway_stack.servers[0]
+    second, port = create_server(gateway_stack.settings, load_tokenizer(gateway_stack.settings.tokenizer))
+    try:
+
+        def served() -> list[float]:
+            labels = {"service": "coordinator", "method": "Generate", "code": "OK"}
+            return [server.registry.value("specdec_requests_total", **labels) or 0.0 for server in (first, second)]
+
+        before = served()
+        with (
+            serve_gateway(f"{gateway_stack.coordinator_address},127.0.0.1:{port}") as url,
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c,
+        ):
+            for _ in range(6):
+                c.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        counts = [after - was for after, was in zip(served(), before, strict=True)]
+        assert sum(counts) == 6 and min(counts) >= 1, counts
+    finally:
+        second.server.stop(0).wait(10)
+
+
+def test_python_m_gateway_writes_json_logs_with_the_request_id(tmp_path):
+    """The process as deployed (LOG_FORMAT=json): every line JSON, uvicorn's too, and the access
+    line of a request carries the id the client sent."""
+    import os
+    import time
+
+    from specdec.local_redis import free_port
+
+    port = free_port()
+    env = dict(os.environ, SPECDEC_GATEWAY_LOG_FORMAT="json")
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--coordinator-address", f"127.0.0.1:{free_port()}"]
+    stderr = tmp_path / "gateway.log"
+    with open(stderr, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", *argv], cwd=ROOT, env=env, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/health", headers={"x-request-id": "probe-1"}, timeout=5)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert response.status_code == 503 and response.headers["x-request-id"] == "probe-1"
+    lines = [json.loads(line) for line in stderr.read_text().splitlines()]
+    assert any(line["logger"].startswith("uvicorn") for line in lines)
+    (access,) = [line for line in lines if line["message"].startswith("GET /health 503")]
+    assert access["request_id"] == "probe-1" and access["logger"] == "gateway.access"
+
+
 # ---------------------------------------------------------------- the benchmark through the gateway
 
 
