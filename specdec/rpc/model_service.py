@@ -292,6 +292,36 @@ def observe_scheduler(registry: Registry, scheduler, role: str) -> None:
     scheduler.step_observers.append(observe)
 
 
+# On SIGTERM the admitted calls get the drain's grace less this to finish; the rest then fail with
+# UNAVAILABLE and a reason (the coordinator retries them elsewhere) before gRPC cancels them.
+CLOSE_MARGIN_S = 0.5
+
+
+def close_on_stop(grpc_server: GrpcServer, scheduler, grace_s: float) -> threading.Thread:
+    """A thread that closes the model's scheduler once a stop is requested (SIGTERM): when its
+    admitted calls have drained, or CLOSE_MARGIN_S before the grace period ends. It ends, closing
+    nothing, when the server stops without a request (tests stop servers sharing a model)."""
+
+    def watch() -> None:
+        while not grpc_server.stop_requested.wait(1.0):
+            if not grpc_server.server.wait_for_termination(0):
+                return
+        drain_until = time.monotonic() + max(0.0, grace_s - CLOSE_MARGIN_S)
+        while scheduler.queued and time.monotonic() < drain_until:
+            time.sleep(0.05)
+        left = scheduler.queued
+        stopped = scheduler.close()
+        log.info(
+            "model scheduler closed (%d sequences failed UNAVAILABLE; model thread %s)",
+            left,
+            "free" if stopped else "still busy",
+        )
+
+    thread = threading.Thread(target=watch, name="scheduler-close", daemon=True)
+    thread.start()
+    return thread
+
+
 def start_model_server(
     settings: ModelServerSettings,
     servicer: ModelServicerBase,
@@ -333,6 +363,7 @@ def start_model_server(
             # another server in this process already serves the model: tests).
             scheduler = scheduler_for(model.runner, scheduler_limits(settings))
             observe_scheduler(grpc_server.registry, scheduler, servicer.role)
+            close_on_stop(grpc_server, scheduler, settings.grace_s)
         grpc_server.set_serving(True)
         log.info("%s model %s loaded; serving on port %d", servicer.role, model.info.model_id, grpc_server.port)
 
