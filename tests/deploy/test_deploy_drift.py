@@ -320,11 +320,18 @@ def test_k8s_gateway_port_probes_and_scrape(k8s):
 
 
 def test_k8s_gateway_reaches_the_coordinator(k8s):
+    """Through a headless Service with dns:/// (the gateway's round_robin spreads its calls over
+    every ready coordinator), on the coordinator's port, over TLS iff it serves TLS."""
     _, _, gateway = k8s.launch_of("gateway")
     settings = gateway.settings()
-    ((host, port),) = parse_address(settings.coordinator_address)
+    address = settings.coordinator_address
+    assert address.startswith("dns:///"), (
+        f"{gateway.where}: coordinator_address {address!r}: use dns:/// for round_robin"
+    )
+    ((host, port),) = parse_address(address)
     service = k8s.get("Service", host.split(".")[0])
     assert service is not None, f"{gateway.where}: coordinator_address names Service {host!r}, not in the render"
+    assert service["spec"].get("clusterIP") == "None", f"Service {host} must be headless for per-call balancing"
     workload, _, coordinator = k8s.launch_of("coordinator")
     assert k8s.selected(service["spec"]["selector"]) == [workload], f"Service {host} is not the coordinator's"
     assert port == coordinator.settings().port and port in [p["port"] for p in service["spec"]["ports"]]
@@ -333,6 +340,12 @@ def test_k8s_gateway_reaches_the_coordinator(k8s):
     )
     target = k8s.launch_of("target_service")[2].settings()
     assert settings.model_name == target.model, f"{gateway.where}: MODEL_NAME != the target's spec"
+
+
+def test_k8s_every_service_logs_json(k8s):
+    """One JSON object per line (request, session and trace ids) for the cluster's log pipeline."""
+    for _, _, launch in k8s.launches():
+        assert launch.settings().log_format == "json", f"{launch.where}: LOG_FORMAT is not json"
 
 
 HEALTH_PROBE = "/opt/specdec/probe/health_probe.py"

@@ -91,7 +91,10 @@ def certificates(k8s: Rendered) -> dict[str, dict]:
 
 
 def service_of(k8s: Rendered, workload: dict) -> dict:
-    (service,) = [s for s in k8s.of("Service") if k8s.selected(s["spec"]["selector"]) == [workload]]
+    """The Service clients dial for `workload`: its ClusterIP one when it also has a headless one
+    (the coordinator's, for the gateway's round_robin)."""
+    services = [s for s in k8s.of("Service") if k8s.selected(s["spec"]["selector"]) == [workload]]
+    (service,) = [s for s in services if s["spec"].get("clusterIP") != "None"] if len(services) > 1 else services
     return service
 
 
