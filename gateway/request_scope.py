@@ -28,6 +28,9 @@ from specdec.rpc.logs import log_context
 log = logging.getLogger("gateway.access")
 
 REQUEST_ID_HEADER = "x-request-id"
+# Probes and scrapes every few seconds would drown the traces and logs of requests (as health
+# and reflection are untraced on the gRPC side): no span, and an access line only when they fail.
+PROBE_ROUTES = frozenset({"/health", "/metrics"})
 # The tokens the coordinator keeps as its request id (coordinator.server.request_id_of).
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
@@ -42,7 +45,7 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
 def _server_span(scope, route: str) -> AbstractContextManager:
     # Until specdec.rpc.tracing exposes its tracer: its provider is None while tracing is off.
     provider = tracing._provider
-    if provider is None:
+    if provider is None or route in PROBE_ROUTES:
         return nullcontext()
     carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
     attributes = {"http.request.method": scope["method"], "http.route": route, "url.scheme": scope["scheme"]}
@@ -77,5 +80,6 @@ class RequestScope:
                     span.set_attribute("http.response.status_code", status)
                     if status >= 500:
                         span.set_status(Status(StatusCode.ERROR))
+                level = logging.DEBUG if route in PROBE_ROUTES and status < 400 else logging.INFO
                 # The route, not the path: a client's path may hold anything, newlines included.
-                log.info("%s %s %d %.3fs", scope["method"], route, status, time.perf_counter() - started)
+                log.log(level, "%s %s %d %.3fs", scope["method"], route, status, time.perf_counter() - started)

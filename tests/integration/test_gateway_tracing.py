@@ -79,8 +79,10 @@ def test_one_http_request_is_one_trace_from_the_gateway_to_both_pools(traced_gat
     assert gateway.start_time <= client.start_time and client.end_time <= gateway.end_time
 
 
-def test_without_a_traceparent_the_gateway_starts_the_trace(traced_gateway):
+def test_without_a_traceparent_the_gateway_starts_the_trace_and_probes_make_none(traced_gateway):
     url, exporter = traced_gateway
+    for probe in ("/health", "/metrics"):
+        assert httpx.get(url + probe, timeout=30).status_code == 200
     assert httpx.post(url + "/v1/completions", json=REQUEST, timeout=60).status_code == 200
     deadline = time.monotonic() + 10
     while not (
@@ -90,3 +92,4 @@ def test_without_a_traceparent_the_gateway_starts_the_trace(traced_gateway):
         time.sleep(0.05)
     names = {s.name for s in exporter.get_finished_spans() if s.context.trace_id == roots[0].context.trace_id}
     assert {"/specdec.v1.Coordinator/Generate", PROPOSE, VERIFY} <= names
+    assert not [s for s in exporter.get_finished_spans() if s.name.startswith("GET ")]

@@ -118,6 +118,7 @@ def test_the_request_id_is_the_clients_or_a_new_one_forwarded_returned_and_logge
 
 def test_errors_carry_the_request_id_too(access_log):
     with serve_gateway("unused:1", client=StandIn(), model_name="m") as url:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # a probe that passes: no line
         response = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "a"}, timeout=10)
         junk = httpx.get(url + "/v1/x%0Ay", headers={"x-request-id": "r-404"}, timeout=10)
     assert response.status_code == 404 and len(response.headers["x-request-id"]) == 16
