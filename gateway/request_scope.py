@@ -43,13 +43,12 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
 
 
 def _server_span(scope, route: str) -> AbstractContextManager:
-    # Until specdec.rpc.tracing exposes its tracer: its provider is None while tracing is off.
-    provider = tracing._provider
-    if provider is None or route in PROBE_ROUTES:
+    tracer = tracing.tracer("specdec.gateway")
+    if tracer is None or route in PROBE_ROUTES:
         return nullcontext()
     carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
     attributes = {"http.request.method": scope["method"], "http.route": route, "url.scheme": scope["scheme"]}
-    return provider.get_tracer("specdec.gateway").start_as_current_span(
+    return tracer.start_as_current_span(
         f"{scope['method']} {route}", context=propagate.extract(carrier), kind=SpanKind.SERVER, attributes=attributes
     )
 

@@ -59,6 +59,11 @@ def tracing_enabled() -> bool:
     return _provider is not None
 
 
+def tracer(name: str = "specdec"):
+    """The configured provider's tracer; None while tracing is off."""
+    return None if _provider is None else _provider.get_tracer(name)
+
+
 def span(name: str, **attributes) -> AbstractContextManager:
     """A span as the current one for the block (yields it), or a null context (yields None)
     while tracing is off."""
