@@ -147,14 +147,24 @@ def pool_channel_credentials(settings: CoordinatorSettings) -> ChannelCertificat
     return ChannelCertificateFiles(settings.pool_tls_ca_file, settings.pool_tls_cert_file, settings.pool_tls_key_file)
 
 
+def session_store(settings: CoordinatorSettings) -> SessionStore:
+    """The sessions' Redis, with a connection for every thread that may use one at once."""
+    store = SessionStore.from_url(
+        settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s
+    )
+    # redis-py's pool opens at most 100 connections, then refuses commands (MaxConnectionsError:
+    # UNAVAILABLE to the caller, seen at 128 streams): each worker thread and each stream's lease
+    # heartbeat may hold one at a time. Connections open lazily: an unused bound costs nothing.
+    store.client.connection_pool.max_connections = 2 * settings.max_workers + 8
+    return store
+
+
 def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcServer, int]:
     """Start the coordinator; SERVING once the tokenizer has loaded. Redis need not answer yet:
     until it does, session calls fail with UNAVAILABLE (a warning says so at start)."""
     configure_observability("specdec-coordinator", settings)  # before the channels and the server
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer)
-    store = SessionStore.from_url(
-        settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s
-    )
+    store = session_store(settings)
     pool_options = {
         "credentials": pool_channel_credentials(settings),
         "attempts": settings.call_attempts,
