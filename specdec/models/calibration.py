@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models.cpu_layout import LayoutPlan, drop_transposed, planned_linears, use_layout_plans
-from specdec.models.layouts import AUTO, LAYOUTS, LINEAR, TRANSPOSED, WEIGHT_MAJOR
+from specdec.models.cpu_layout import LayoutPlan, drop_unused_copies, planned_linears, use_layout_plans
+from specdec.models.layouts import AUTO, COPIES, LAYOUTS, LINEAR
 
 _SESSION = "\x00calibration"  # a cache key no client sends (keys are UUIDs or user strings)
 
@@ -50,7 +50,7 @@ def tune_layouts(model, plans: dict[tuple[int, int], LayoutPlan], max_rows: int,
     layers = planned_linears(model)
     for shape, plan in plans.items():
         modules = layers.get(shape, [])
-        candidates = LAYOUTS if all(m.weight_t is not None for m in modules) else (LINEAR, WEIGHT_MAJOR)
+        candidates = [c for c in LAYOUTS if c not in COPIES or all(m.has_copy(c) for m in modules)]
         for rows in range(1, max_rows + 1):
             x = torch.randn(rows, shape[0])
             best = dict.fromkeys(candidates, float("inf"))
@@ -98,10 +98,11 @@ def plan_layouts(runner, layout: str, max_rows: int) -> ForwardCosts | None:
 
     "auto" swaps the float32 CPU linears for planned ones and keeps the fastest layout per weight
     shape and row count; a named layout applies to all. The curve is measured either way (None
-    when max_rows is 0). Transposed copies that no plan uses are freed.
+    when max_rows is 0). Weight copies that no plan uses are freed.
     """
     auto = layout == AUTO
-    plans = use_layout_plans(runner.model, LINEAR if auto else layout, keep_transposed=auto or layout == TRANSPOSED)
+    copies = COPIES if auto else tuple(c for c in COPIES if c == layout)
+    plans = use_layout_plans(runner.model, LINEAR if auto else layout, copies)
     costs = None
     if max_rows > 0:
         if auto:
@@ -109,5 +110,5 @@ def plan_layouts(runner, layout: str, max_rows: int) -> ForwardCosts | None:
         seconds = runner.on_model_thread(forward_costs, runner, max_rows)
         chosen = {f"{i}->{o}": tuple(plan.layout(r) for r in range(1, max_rows + 1)) for (i, o), plan in plans.items()}
         costs = ForwardCosts(seconds, chosen)
-    drop_transposed(runner.model)
+    drop_unused_copies(runner.model)
     return costs

@@ -4,24 +4,32 @@ Three ways to compute nn.Linear's product, all exact up to float32 rounding, wit
 MKL costs for the few rows a decode step or a Verify runs (SmolLM2-135M on this 2-vCPU EPYC,
 cached forward: milliseconds per forward by rows):
 
-    layout        what runs                         1 row   2 rows  3 rows  4 rows
-    linear        F.linear(x, W)      (W: [out, in])  ~50     ~80    ~100     ~85
+    layout        what runs                              1 row   2 rows  3 rows  4 rows
+    linear        F.linear(x, W)      (W: [out, in])       ~50     ~80    ~100     ~85
     transposed    x @ W_t   (a contiguous [in, out] copy)  ~43     ~65     ~80     ~90
-    weight_major  (W @ x^T)^T          (W as stored)  ~51     ~60     ~68     ~61
+    weight_major  (W @ x^T)^T          (W as stored)       ~51     ~60     ~68     ~61
+    packed        oneDNN inner product (W reordered once)
+
+The matmuls alone, every SmolLM2 layer's weights streamed once, 1 thread (ms, busy machine):
+packed 43 / 45 / 50 / 61 / 63 / 73 at 1 / 2 / 3 / 4 / 6 / 8 rows, against the best of the first
+three per shape 31 / 47 / 62 / 58 / 81 / 86: oneDNN reads W once for a few rows where MKL's
+small-M kernels do not, but it costs a fixed ~30 us more a call, so one row stays with MKL. In
+batched steps (scripts/step_bench.py's shapes, quiet, 2 threads, calibrated plans with and
+without it): 8 sessions x 1 token 194 vs 286 ms, 16 x 1 304 vs 407 ms, 1 x 1 57 vs 69 ms.
 
 A forward streams every weight from memory once per call, so a kernel that reads W once for
 all rows costs about what one row costs; MKL's choice of kernel (and whether it repacks W) decides
 whether it does. Which kernel wins depends on the CPU, the thread count and the shapes, so the
 services measure it at start (`specdec.models.calibration`) and keep the winner per row count in a
 `LayoutPlan`. Only `transposed` costs memory (a second copy of each weight); it is dropped when no
-row count chose it.
+row count chose it; so does `packed`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.models.layouts import LAYOUTS, LINEAR, TRANSPOSED, WEIGHT_MAJOR
+from specdec.models.layouts import COPIES, LAYOUTS, LINEAR, PACKED, TRANSPOSED, WEIGHT_MAJOR
 
 
 class LayoutPlan:
@@ -61,14 +69,17 @@ def _check_layout(layout: str) -> None:
 class PlannedLinear(torch.nn.Module):
     """nn.Linear's result, computed in the layout its plan gives for the row count."""
 
-    def __init__(self, linear: torch.nn.Linear, plan: LayoutPlan, keep_transposed: bool = True):
+    def __init__(self, linear: torch.nn.Linear, plan: LayoutPlan, copies: tuple[str, ...] = COPIES):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
         self.weight = linear.weight  # shared (a tied embedding keeps using it)
         self.bias = linear.bias
-        weight_t = linear.weight.detach().t().contiguous() if keep_transposed else None
+        weight = linear.weight.detach()
+        weight_t = weight.t().contiguous() if TRANSPOSED in copies else None
         self.register_buffer("weight_t", weight_t, persistent=False)
+        # An opaque oneDNN tensor: not a buffer, so state_dict and .to() never see it.
+        self.weight_packed = _pack(weight) if PACKED in copies else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
@@ -78,16 +89,35 @@ class PlannedLinear(torch.nn.Module):
         elif layout == WEIGHT_MAJOR:
             y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t()
             y = y.reshape(*x.shape[:-1], self.out_features)
+        elif layout == PACKED and self.weight_packed is not None and not torch.compiler.is_compiling():
+            # (Inductor cannot lower the opaque oneDNN weight: a compiled graph chooses its own kernel.)
+            flat = x.reshape(rows, self.in_features).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.weight_packed, None, "none", [], "")
+            y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
 
+    def has_copy(self, layout: str) -> bool:
+        return (self.weight_t if layout == TRANSPOSED else self.weight_packed) is not None
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's inner product (the `packed` layout)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if not packing_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
 
 def use_layout_plans(
-    model: torch.nn.Module, layout: str, keep_transposed: bool = True
+    model: torch.nn.Module, layout: str, copies: tuple[str, ...] = COPIES
 ) -> dict[tuple[int, int], LayoutPlan]:
-    """Swap every plain float32 CPU nn.Linear of `model` for a PlannedLinear, starting on `layout`;
-    returns the plans, one per weight shape (in_features, out_features), shared by its layers.
+    """Swap every plain float32 CPU nn.Linear of `model` for a PlannedLinear, starting on `layout`
+    and keeping the weight copies `copies` (a layout whose copy is missing runs as `linear`); returns the plans, one per weight shape (in_features, out_features), shared by its layers.
 
     Per shape because the kernels' costs differ by shape: on this CPU at 2 rows, (W @ x^T)^T is the
     fastest form of SmolLM2's 576 -> 1536 projections and the slowest of its 1536 -> 576 one.
@@ -101,7 +131,7 @@ def use_layout_plans(
                 and child.weight.device.type == "cpu"
             ):
                 plan = plans.setdefault((child.in_features, child.out_features), LayoutPlan(layout))
-                setattr(parent, name, PlannedLinear(child, plan, keep_transposed))
+                setattr(parent, name, PlannedLinear(child, plan, copies))
     return plans
 
 
@@ -114,11 +144,16 @@ def planned_linears(model: torch.nn.Module) -> dict[tuple[int, int], list[Planne
     return by_shape
 
 
-def drop_transposed(model: torch.nn.Module) -> int:
-    """Free the transposed weight copies its plan does not use; returns how many."""
+def drop_unused_copies(model: torch.nn.Module) -> int:
+    """Free the weight copies (transposed, packed) its plan does not use; returns how many."""
     dropped = 0
     for module in model.modules():
-        if isinstance(module, PlannedLinear) and module.weight_t is not None and not module.plan.uses(TRANSPOSED):
+        if not isinstance(module, PlannedLinear):
+            continue
+        if module.weight_t is not None and not module.plan.uses(TRANSPOSED):
             module.weight_t = None
+            dropped += 1
+        if module.weight_packed is not None and not module.plan.uses(PACKED):
+            module.weight_packed = None
             dropped += 1
     return dropped

@@ -3,5 +3,7 @@
 LINEAR = "linear"  # F.linear(x, W), W as nn.Linear stores it: [out, in]
 TRANSPOSED = "transposed"  # x @ W_t, a contiguous [in, out] copy (2x weight memory)
 WEIGHT_MAJOR = "weight_major"  # (W @ x^T)^T, W as stored
-LAYOUTS = (LINEAR, TRANSPOSED, WEIGHT_MAJOR)
+PACKED = "packed"  # oneDNN's inner product on a copy of W reordered for it once (2x weight memory)
+LAYOUTS = (LINEAR, TRANSPOSED, WEIGHT_MAJOR, PACKED)
+COPIES = (TRANSPOSED, PACKED)  # the layouts that keep a second copy of each weight
 AUTO = "auto"  # measure at start and keep the fastest per row count (specdec.models.calibration)

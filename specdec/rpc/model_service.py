@@ -71,7 +71,7 @@ class ModelServerSettings(ServerTlsSettings):
         "auto",
         "LINEAR_LAYOUT",
         "float32 on CPU: matmul kernel of the linear layers, auto (the fastest per row count, measured at "
-        "start) | linear | transposed (2x weight memory) | weight_major",
+        "start) | linear | transposed (2x weight memory) | weight_major | packed (oneDNN, 2x weight memory)",
     )
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"

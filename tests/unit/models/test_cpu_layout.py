@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from specdec.models.calibration import forward_costs, plan_layouts, tune_layouts
-from specdec.models.cpu_layout import LayoutPlan, PlannedLinear, drop_transposed, planned_linears, use_layout_plans
-from specdec.models.layouts import LAYOUTS, LINEAR, TRANSPOSED, WEIGHT_MAJOR
+from specdec.models.cpu_layout import (
+    LayoutPlan,
+    PlannedLinear,
+    drop_unused_copies,
+    packing_available,
+    planned_linears,
+    use_layout_plans,
+)
+from specdec.models.layouts import LAYOUTS, LINEAR, PACKED, TRANSPOSED, WEIGHT_MAJOR
 from specdec.models.runner import ModelRunner, SessionKVCache
 
 
@@ -65,15 +72,28 @@ def test_swapping_keeps_the_tied_head_tied_and_the_logits():
     assert model.get_output_embeddings().out_features == 16
     torch.testing.assert_close(transposed, before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight_major, before, rtol=1e-5, atol=1e-5)
-    assert drop_transposed(model) == 2 * 7 + 1 and drop_transposed(model) == 0  # no plan uses them now
+    # no plan uses the transposed or packed copies now
+    assert drop_unused_copies(model) == 2 * (2 * 7 + 1) and drop_unused_copies(model) == 0
 
 
 def test_copies_are_dropped_only_where_no_plan_uses_them():
     model = _tiny_llama()
     plans = use_layout_plans(model, LINEAR)
     plans[(32, 16)].set(2, TRANSPOSED)
-    assert drop_transposed(model) == 2 * 7 + 1 - 2  # all but the two down projections
+    plans[(16, 32)].set(3, PACKED)
+    # all but the two down projections' transposed and the four gate/up projections' packed copies
+    assert drop_unused_copies(model) == 2 * (2 * 7 + 1) - 2 - 4
     assert all(m.weight_t is not None for m in planned_linears(model)[(32, 16)])
+    assert all(m.weight_packed is not None and m.weight_t is None for m in planned_linears(model)[(16, 32)])
+
+
+def test_the_packed_layout_is_there_and_a_missing_copy_runs_as_linear():
+    assert packing_available()  # the pinned CPU torch has oneDNN: tuning must be able to choose it
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=False)
+    planned = PlannedLinear(linear, LayoutPlan(PACKED), copies=())
+    x = torch.randn(3, 24)
+    assert torch.equal(planned(x), linear(x))
 
 
 def test_tuning_sets_a_measured_layout_per_shape_and_row_count():
@@ -109,3 +129,14 @@ def test_plan_layouts_keeps_the_logits_and_reports_the_curve(layout):
         after = runner.model(input_ids=torch.tensor([[1, 2, 3]])).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert plan_layouts(ModelRunner(_tiny_llama(), SessionKVCache(4, 1000)), "auto", 0) is None
+
+
+def test_a_compiled_runner_runs_a_packed_plan():
+    """Inductor cannot lower oneDNN's opaque weight: the compiled graph computes the product its own way."""
+    from specdec.models.static_runner import make_runner
+
+    eager = ModelRunner(_tiny_llama(), SessionKVCache(4, 1000))
+    compiled = make_runner(_tiny_llama(), SessionKVCache(4, 1000), "on", 64)
+    plan_layouts(compiled, PACKED, 2)
+    expected = eager.last_logits("a", [1, 2, 3, 4], 2).logits
+    torch.testing.assert_close(compiled.last_logits("a", [1, 2, 3, 4], 2).logits, expected, rtol=1e-4, atol=1e-4)
