@@ -9,6 +9,7 @@ the request carries, so correctness never depends on the cache.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -21,6 +22,9 @@ import torch
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
 from specdec.models.ragged import build_batch, ragged_forward, supports_ragged
+
+# Fresh items of one step that open with this many equal tokens share their prefix's forward.
+MIN_SHARED_PREFIX = 16
 
 
 @dataclass
@@ -75,6 +79,10 @@ class SessionKVCache:
 
     def drop(self, session_id: str) -> None:
         self.take(session_id)
+
+    def peek(self, session_id: str) -> _CacheEntry | None:
+        """The entry, left in place and in its LRU position (None without one)."""
+        return self._entries.get(session_id)
 
     def token_ids(self, session_id: str) -> list[int] | None:
         """The tokens the session's entry holds keys/values for, None without one (tests, debugging)."""
@@ -332,12 +340,39 @@ class ModelRunner:
         """
         items = list(items)
         _check_step(items)
+        self._share_prefixes(items)
         if len(items) > 1 and self._ragged_ok():
             return self._ragged_step(items)
         return [
             self.last_logits(i.session_id, i.token_ids, i.num_last, i.hidden_from, i.input_hidden, i.exact_len)
             for i in items
         ]
+
+    def _share_prefixes(self, items: list[StepItem]) -> None:
+        """Items that hold no cache entry yet and open with the same tokens (the samples of one
+        request, chats under one system prompt) get that prefix's keys/values computed once: the
+        first runs it into its entry, the others start from copies of that entry. Each item's own
+        forward then runs only its remaining tokens, as if its cache had held the prefix."""
+        fresh = [
+            i
+            for i in items
+            if i.session_id
+            and i.input_hidden is None
+            and i.hidden_from is None
+            and self.cache.peek(i.session_id) is None
+        ]
+        groups: dict[tuple[int, ...], list[StepItem]] = {}
+        for item in fresh:
+            if len(item.token_ids) - item.num_last >= MIN_SHARED_PREFIX:
+                groups.setdefault(tuple(item.token_ids[:MIN_SHARED_PREFIX]), []).append(item)
+        for leader, *others in (g for g in groups.values() if len(g) > 1):
+            shared = min(len(i.token_ids) - i.num_last for i in (leader, *others))
+            shared = min([shared, *(common_prefix_length(leader.token_ids, i.token_ids) for i in others)])
+            self.last_logits(leader.session_id, leader.token_ids[:shared], 1)
+            with self._lock:
+                entry = self.cache.peek(leader.session_id)
+                for other in others if entry is not None else ():
+                    self.cache.put(other.session_id, _CacheEntry(list(entry.token_ids), copy.deepcopy(entry.kv)))
 
     def _ragged_ok(self) -> bool:
         if self._supports_ragged is None:

@@ -249,3 +249,33 @@ def test_a_failed_step_drops_its_sessions_and_restores_the_model(tiny_loaded):
     assert runner.cache.token_ids("bystander") == [1, 2, 3]
     for got, item in zip(runner.step(MIXED), MIXED, strict=True):
         torch.testing.assert_close(got.logits, _solo(fresh, item).logits, atol=ATOL, rtol=0)
+
+
+def test_fresh_items_with_one_prompt_compute_it_once(tiny_loaded):
+    """The samples of one request (or chats under one system prompt) arrive as fresh items opening
+    with the same tokens: the prefix runs once, the others start from copies of its entry, and every
+    item's logits and cache are still what its solo forward gives."""
+    model = tiny_loaded["target"].runner.model
+    batched, solo = _runner(model), _runner(model)
+    prompt = [(3 * i + 1) % 8 for i in range(20)]
+    items = [
+        StepItem("s/0", [*prompt, 1], 1),
+        StepItem("s/1", [*prompt, 2, 5, 6], 3),  # a verify of drafts
+        StepItem("s/2", [*prompt[:18], 6, 7, 4], 2),  # diverges at 18: 18 shared
+        StepItem("other", [5, 5, 5, 1, 2], 1),  # no company: runs alone in the step
+    ]
+    with _forwards(model) as calls:
+        results = batched.step(items)
+    assert len(calls) == 2  # the shared 18 tokens once, then the step
+    assert [r.cached_tokens for r in results] == [18, 18, 18, 0]
+    for got, item in zip(results, items, strict=True):
+        torch.testing.assert_close(got.logits, _solo(solo, item).logits, atol=ATOL, rtol=0)
+    for item in items:  # the entries are the sessions' own and continue like the solo ones
+        assert batched.cache.token_ids(item.session_id) == list(item.token_ids)
+        more = [*item.token_ids, 3]
+        torch.testing.assert_close(
+            batched.last_logits(item.session_id, more, 2).logits,
+            solo.last_logits(item.session_id, more, 2).logits,
+            atol=ATOL,
+            rtol=0,
+        )
