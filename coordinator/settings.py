@@ -86,13 +86,13 @@ class CoordinatorSettings(ServerTlsSettings):
         "MAX_REQUEST_TOKENS",
         "most work in one request: num_samples x (context tokens + max_new_tokens)",
     )
-    max_workers: int = setting(32, "MAX_WORKERS", "gRPC worker threads")
+    max_workers: int = setting(64, "MAX_WORKERS", "gRPC worker threads")
     # Each admitted request keeps at most one call in flight per pool, so a pod that admits at
-    # least this many (the model services' default is 24) never refuses one coordinator's calls.
+    # least this many (the model services' default is 48) never refuses one coordinator's calls.
     # Threads are not what limits a coordinator (scripts/coordinator_bench.py: ~2 ms of CPU per
     # round at 1 to 128 streams, one core at ~400-480 rounds/s): the pods' admission is.
     max_concurrent_requests: int = setting(
-        24, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
+        48, "MAX_CONCURRENT_REQUESTS", "requests admitted at once; more get RESOURCE_EXHAUSTED (keep < max_workers)"
     )
     max_message_mb: int = setting(256, "MAX_MESSAGE_MB", "largest gRPC message, MiB")
     grace_s: float = setting(
