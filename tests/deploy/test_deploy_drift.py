@@ -456,6 +456,21 @@ def test_k8s_redis_url_names_the_bundled_redis(k8s):
     assert int(port) in served and int(port) in [p["port"] for p in service["spec"]["ports"]]
 
 
+def hpa_of(k8s: Rendered, workload: dict) -> dict:
+    return next(
+        h
+        for h in k8s.of("HorizontalPodAutoscaler")
+        if h["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]
+    )
+
+
+def inflight_target(hpa: dict) -> float:
+    """The calls in flight per pod at which the HPA adds pods (its one Pods metric)."""
+    (metric,) = [m for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert metric["pods"]["target"]["type"] == "AverageValue", hpa["metadata"]["name"]
+    return float(metric["pods"]["target"]["averageValue"])
+
+
 def test_k8s_hpas_and_pdbs(k8s):
     adapter = yaml.safe_load((ROOT / "k8s" / "monitoring" / "prometheus-adapter-values.yaml").read_text())
     exposed = {rule["name"]["as"] for rule in adapter["rules"]["custom"]}
@@ -467,7 +482,7 @@ def test_k8s_hpas_and_pdbs(k8s):
         metrics = hpas[0]["spec"]["metrics"]
         if launch.module in ("coordinator", "gateway"):
             assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in metrics)
-        else:
+        if launch.module != "gateway":  # the coordinator too: its streams in flight (docs/security.md)
             names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
             assert names == {inflight_metric()}, f"{name}: HPA metric {names} != exported {inflight_metric()}"
             assert names <= exposed, f"{name}: prometheus-adapter does not expose {names}"
@@ -642,6 +657,11 @@ def test_k8s_draft_components_switch_the_draft_only(component, tmp_path):
     draft = switched.launch_of("draft_service")[2].settings()
     check_shipped_draft(draft.model, f"components/{component}")
     assert draft.lookup in DRAFT_COMPONENTS[component], f"components/{component}: lookup {draft.lookup!r}"
+    # A model draft batches a step's sessions like the target: its pool scales at the same load.
+    scales_at = {
+        m: inflight_target(hpa_of(switched, switched.launch_of(m)[0])) for m in ("draft_service", "target_service")
+    }
+    assert scales_at["draft_service"] == scales_at["target_service"], f"components/{component}: HPAs {scales_at}"
     plain = Rendered("cpu")
     for module in SETTINGS:
         if module != "draft_service":

@@ -33,10 +33,14 @@ from test_deploy_drift import (
     assert_mounted,
     check_health_probe,
     compose_launches,
+    hpa_of,
+    inflight_target,
     parse_address,
     probe_args,
     shippable_draft_files,
 )
+
+from draft_service.settings import MODEL_FREE
 
 POOLS = ("draft_service", "target_service")
 TLS_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # cert-manager's Secret layout
@@ -331,20 +335,24 @@ def test_k8s_pools_drain_longer_than_one_call(k8s):
         assert pool.grace_s >= deadline, f"{module}: GRACE_S {pool.grace_s} < the coordinator's deadline {deadline}"
 
 
-def hpa_of(k8s: Rendered, workload: dict) -> dict:
+def pdb_of(k8s: Rendered, workload: dict) -> dict:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
     return next(
-        h
-        for h in k8s.of("HorizontalPodAutoscaler")
-        if h["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]
+        p
+        for p in k8s.of("PodDisruptionBudget")
+        if all(labels.get(k) == v for k, v in p["spec"]["selector"]["matchLabels"].items())
     )
 
 
 def test_k8s_coordinators_never_outrun_the_pools(k8s):
     """docs/security.md "Capacity": each admitted request keeps at most one call in flight per pool,
-    so coordinators x MAX_CONCURRENT_REQUESTS must fit in pool pods x theirs, at both HPA bounds,
-    and one coordinator's requests must fit in one pool pod (round_robin can land them there)."""
+    so coordinators x MAX_CONCURRENT_REQUESTS must fit in pool pods x theirs, at both HPA bounds
+    and at the minimum less the pods the PDB lets go, and one coordinator's requests must fit in
+    one pool pod (round_robin can land them there). Every HPA on calls in flight adds pods before
+    its pods refuse."""
     workload, _, launch = k8s.launch_of("coordinator")
     coordinator, c_hpa = launch.settings(), hpa_of(k8s, workload)
+    assert inflight_target(c_hpa) < coordinator.max_concurrent_requests, "coordinators must scale before refusing"
     for module in POOLS:
         pool_workload, _, pool_launch = k8s.launch_of(module)
         pool, p_hpa = pool_launch.settings(), hpa_of(k8s, pool_workload)
@@ -353,10 +361,26 @@ def test_k8s_coordinators_never_outrun_the_pools(k8s):
             demand = c_hpa["spec"].get(bound, 1) * coordinator.max_concurrent_requests
             supply = p_hpa["spec"].get(bound, 1) * pool.max_concurrent_requests
             assert demand <= supply, f"{k8s.overlay}: at {bound} coordinators admit {demand} > {module} {supply}"
-        (metric,) = [m for m in p_hpa["spec"]["metrics"] if m["type"] == "Pods"]
-        assert float(metric["pods"]["target"]["averageValue"]) < pool.max_concurrent_requests, (
+        pool_min = p_hpa["spec"].get("minReplicas", 1)
+        if pool_min > 1:  # one pod alone has no spare
+            left = pool_min - pdb_of(k8s, pool_workload)["spec"]["maxUnavailable"]
+            demand = c_hpa["spec"].get("minReplicas", 1) * coordinator.max_concurrent_requests
+            assert demand <= left * pool.max_concurrent_requests, f"{k8s.overlay}: {module} during a disruption"
+        assert inflight_target(p_hpa) < pool.max_concurrent_requests, (
             f"{module}: the HPA must add pods before the pool refuses calls"
         )
+
+
+def test_k8s_pools_scale_by_what_a_pod_serves(k8s):
+    """docs/security.md "Capacity": the target pool scales at the sessions a batched step serves
+    well, more on GPUs (a step of 8-16 costs about one); the suffix draft's ~1 ms calls only queue,
+    so its pool scales as soon as calls wait, before the target's."""
+    scales_at = {m: inflight_target(hpa_of(k8s, k8s.launch_of(m)[0])) for m in POOLS}
+    assert k8s.launch_of("draft_service")[2].settings().model in MODEL_FREE
+    assert scales_at["draft_service"] < scales_at["target_service"], f"{k8s.overlay}: {scales_at}"
+    if k8s.overlay == "gpu":
+        cpu = inflight_target(hpa_of(Rendered("cpu"), Rendered("cpu").launch_of("target_service")[0]))
+        assert scales_at["target_service"] > cpu, "the gpu overlay's target pool must batch more per pod"
 
 
 # ------------------------------------------------------------------ models: no download at start
