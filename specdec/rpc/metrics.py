@@ -1,7 +1,7 @@
 """Prometheus metrics (prometheus_client): one registry per service, served on /metrics, and a
 gRPC interceptor that counts calls, their status, their duration and the calls in flight.
 
-`specdec_inflight_requests` is the per-pod load signal the model pools autoscale on (the HPAs and
+`specdec_inflight_requests` is the per-pod load signal the pools and coordinators autoscale on (the HPAs and
 k8s/monitoring/prometheus-adapter-values.yaml name it). Every name a dashboard may use is a
 constant or a literal in this module; README "Metrics and tracing" lists them.
 """

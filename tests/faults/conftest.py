@@ -58,7 +58,7 @@ def shared_settings(pools, redis_url, tiny_model_dirs, keys_file):
         "tokenizer": tiny_model_dirs["target"],
         "SESSION_KEY_PREFIX": PREFIX,
         "API_KEYS_FILE": str(keys_file),
-        # The soak's 16 streams at once (below MAX_WORKERS 32); the pods admit 24.
+        # The soak's 16 streams at once (below MAX_WORKERS 64); the pods admit 48.
         "MAX_CONCURRENT_REQUESTS": "16",
     }
 

@@ -270,9 +270,9 @@ def test_bad_options_are_clear_errors(argv, message):
 def test_a_started_stack_admits_the_streams_in_flight_unless_the_environment_says(monkeypatch):
     args = serve_bench.parse_args([])
     drafter = serve_bench.bench.parse_drafter("suffix", args.draft)
-    env = serve_bench.stack_env(args, drafter, peak_streams=40)
+    env = serve_bench.stack_env(args, drafter, peak_streams=80)
     assert env["SPECDEC_DRAFT_MODEL"] == "suffix" and env["SPECDEC_COORDINATOR_METRICS_PORT"] == "0"
-    assert env["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "40" and env["SPECDEC_TARGET_MAX_WORKERS"] == "48"
+    assert env["SPECDEC_COORDINATOR_MAX_CONCURRENT_REQUESTS"] == "80" and env["SPECDEC_TARGET_MAX_WORKERS"] == "88"
     from coordinator.settings import CoordinatorSettings
 
     default = str(CoordinatorSettings().max_concurrent_requests)  # never lowered
