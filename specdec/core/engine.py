@@ -209,10 +209,12 @@ class SpeculativeEngine:
             drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline)
             if drafts is None:  # the draft failed or is backing off: this round is target-only
                 k, drafts = 0, [_Draft() for _ in running]
-            event, verify_s, results = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
+            event, verify_s, results, others = self._verify(
+                verifier, spec, running, drafts, round_index, stats, deadline
+            )
             counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
             rows = 1 + max(drafted for drafted, _ in counts)
-            policy.observe(RoundOutcome(k, draft_s, verify_s, rows, counts))
+            policy.observe(RoundOutcome(k, draft_s, verify_s, rows, counts, others))
             yield event
             round_index += 1
 
@@ -294,8 +296,9 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-    ) -> tuple[RoundEvent, float, list[RoundResult]]:
-        """The round's event, the seconds the Verify took, and each sample's round result."""
+    ) -> tuple[RoundEvent, float, list[RoundResult], int]:
+        """The round's event, the seconds the Verify took, each sample's round result, and how many
+        other requests' sequences shared its batched forward."""
         requests = [
             VerifyRequest(spec.sample_cache_key(s.index), list(s.context), drafts[i].tokens, sequence=s.index)
             for i, s in enumerate(running)
@@ -319,7 +322,8 @@ class SpeculativeEngine:
             stats.count(len(drafts[i].tokens), result)
             outcomes.append(result)
             new_tokens[sample.index] = self._append(spec, sample, result.tokens)
-        return RoundEvent(round_index, new_tokens), verify_s, outcomes
+        others = max(0, max(r.step_sequences for r in results) - len(running))
+        return RoundEvent(round_index, new_tokens), verify_s, outcomes, others
 
     @staticmethod
     def _target_laws(draft: _Draft, target_probs: np.ndarray) -> np.ndarray:

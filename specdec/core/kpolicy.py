@@ -31,6 +31,10 @@ class RoundOutcome:
     verify_s: float  # seconds of the Verify call
     rows: int  # rows verified: the longest draft of the round + 1
     drafts: Sequence[tuple[int, int]]  # per sample: (tokens drafted, tokens accepted)
+    others: int = 0  # other requests' sequences in the Verify's batched forward
+
+
+OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: streams come and go
 
 
 class FixedK:
@@ -86,6 +90,8 @@ class AdaptiveK:
         self.verify_count: dict[int, int] = {}
         self.rounds = 0
         self.zero_streak = 0  # consecutive rounds the model chose K = 0
+        self.own = 1  # this request's sequences per round
+        self.others = 0.0  # smoothed: other requests' sequences sharing its Verify forwards
 
     # ------------------------------------------------------------ the model
 
@@ -120,14 +126,18 @@ class AdaptiveK:
         return self.default_draft_ratio * self.verify_cost(1)
 
     def tokens_per_second(self) -> list[float]:
-        """[K = 0..k_max]: expected tokens per second under the current estimates."""
+        """[K = 0..k_max]: expected tokens per second of the Verify forward under the current
+        estimates: this request's sequences, and the other requests' sequences batched with them
+        (each gains at least its one token a step). Alone, that is this request's own speed; in a
+        batch, drafting pays only if its gain beats what its extra rows cost the whole step."""
         rates, draft = self.acceptance(), self.draft_cost()
         expected, run, out = 1.0, 1.0, []
         for k in range(self.k_max + 1):
             if k:
                 run *= rates[k - 1]
                 expected += run
-            out.append(expected / (k * draft + self.verify_cost(k + 1) + self.overhead_s))
+            step_tokens = self.own * expected + self.others
+            out.append(step_tokens / (k * draft + self.verify_cost(k + 1) + self.overhead_s))
         return out
 
     # ------------------------------------------------------------ the policy
@@ -147,6 +157,8 @@ class AdaptiveK:
         return best
 
     def observe(self, outcome: RoundOutcome) -> None:
+        self.own = max(1, len(outcome.drafts))
+        self.others += OTHERS_SMOOTHING * (outcome.others - self.others)
         if self.rounds >= 2:  # rounds 0 and 1 are fixed, not the model's choices
             self.zero_streak = self.zero_streak + 1 if outcome.k == 0 else 0
         for drafted, accepted in outcome.drafts:

@@ -85,6 +85,7 @@ class VerifyResult:
     target_probs: np.ndarray  # [K + 1, V] float32
     cached_tokens: int = 0
     hidden: np.ndarray | None = None  # [len(prefix) + K - hidden_from, H], when asked
+    step_sequences: int = 1  # sequences in the batched forward it ran in, itself included
 
 
 class Drafter(Protocol):

@@ -107,6 +107,7 @@ class LogitsResult:
     logits: torch.Tensor  # [num_last, V] float32 on CPU
     cached_tokens: int  # prefix tokens whose keys/values came from the cache
     hidden: torch.Tensor | None = None  # [len(token_ids) - hidden_from, H] float32 on CPU, when asked
+    step_sequences: int = 1  # items of the one batched forward this ran in (1: a forward of its own)
 
 
 # ---------------------------------------------------------------- last_logits, step by step
@@ -407,7 +408,7 @@ class ModelRunner:
                 hidden = self._settle(
                     item.session_id, p.entry, p.token_ids, p.reuse, item.hidden_from, item.exact_len, ran
                 )
-                results.append(LogitsResult(logits[first : first + item.num_last], p.reuse, hidden))
+                results.append(LogitsResult(logits[first : first + item.num_last], p.reuse, hidden, len(planned)))
                 first += item.num_last
             return results
 

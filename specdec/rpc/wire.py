@@ -206,6 +206,7 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
                 target_probs=encode_probs(r.target_probs),
                 cached_tokens=r.cached_tokens,
                 hidden_states=encode_hidden_states(r.hidden) if r.hidden is not None else None,
+                step_sequences=r.step_sequences,
             )
             for r in results
         ]
@@ -227,9 +228,8 @@ def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[Verif
         laws = decode_probs(v.target_probs)
         if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:
             raise ValueError(f"target_probs has shape {list(laws.shape)}, expected [K + 1, vocabulary]")
-        results.append(
-            VerifyResult(laws, v.cached_tokens, _hidden(v.hidden_states) if v.HasField("hidden_states") else None)
-        )
+        hidden = _hidden(v.hidden_states) if v.HasField("hidden_states") else None
+        results.append(VerifyResult(laws, v.cached_tokens, hidden, max(1, v.step_sequences)))
     return results
 
 

@@ -136,3 +136,27 @@ def test_a_steep_curve_keeps_k_at_zero_and_a_flat_one_drafts():
 
 def test_a_curve_with_a_non_positive_entry_is_ignored():
     assert AdaptiveK(2, verify_curve=(0.0, 1.0)).verify_curve == ()
+
+
+def _play_in_batch(policy: AdaptiveK, rounds: int, others: int) -> list[int]:
+    """Each drafted token accepted with probability 0.6 (seeded) until the first rejection; a Verify
+    forward is a step shared with `others` sequences of other requests, 20% slower per row."""
+    import random
+
+    rng, chosen = random.Random(0), []
+    for _ in range(rounds):
+        k = policy.choose()
+        chosen.append(k)
+        accepted = next((i for i in range(k) if rng.random() >= 0.6), k)
+        step_s = 0.1 * (1 + 0.2 * (others + k))
+        policy.observe(RoundOutcome(k, k * 0.001, step_s, k + 1, [(k, accepted)], others))
+    return chosen
+
+
+def test_drafting_that_pays_alone_stops_in_a_batch_where_its_rows_slow_everyone():
+    # Alone: K=1 gives 1.6 tokens for 1.2x the time. With 7 others in the step: 8.6 tokens for
+    # 2.6 / 2.4 of it, less than K = 0's 8; so the request drafts only when it probes.
+    alone = _play_in_batch(AdaptiveK(4), 60, others=0)
+    batched = _play_in_batch(AdaptiveK(4), 60, others=7)
+    assert all(k > 0 for k in alone[10:])
+    assert batched[10:].count(0) >= 40  # of 50: the others are probes and what a probe makes it try

@@ -86,6 +86,7 @@ def test_a_mixed_step_is_one_forward_equal_to_each_item_alone(tiny_loaded):
     for got, want in zip(results, expected, strict=True):
         _assert_same(got, want)
     assert [r.cached_tokens for r in results] == [0, 9, 6, 0]
+    assert [r.step_sequences for r in results] == [4] * 4 and _solo(solo, MIXED[3]).step_sequences == 1
     assert model.config._attn_implementation == "sdpa"  # restored after the step
     # The caches continue as the solo ones do: one more round on each session.
     for session, tokens in (("fresh", [3, 1, 4, 1, 5, 2, 0, 4]), ("decode", [1, 2, 3, 4, 5, 6, 7, 1, 2, 6, 3])):

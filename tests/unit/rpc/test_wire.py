@@ -327,11 +327,11 @@ def test_verify_request_carries_every_field_and_tells_hidden_from_0_from_unset()
 
 def test_verify_results_round_trip_with_and_without_hidden_states():
     hidden = RNG.standard_normal((4, 8)).astype(np.float32)
-    results = [VerifyResult(_probs(3, 6), cached_tokens=5, hidden=hidden), VerifyResult(_probs(1, 6))]
+    results = [VerifyResult(_probs(3, 6), cached_tokens=5, hidden=hidden, step_sequences=7), VerifyResult(_probs(1, 6))]
     first, second = wire.verify_results_from_proto(_over_the_wire(wire.verify_response(results)))
 
     assert np.array_equal(first.target_probs, results[0].target_probs) and first.target_probs.dtype == np.float32
-    assert first.cached_tokens == 5
+    assert first.cached_tokens == 5 and (first.step_sequences, second.step_sequences) == (7, 1)
     assert first.hidden.dtype == np.float16 and np.array_equal(first.hidden, hidden.astype(np.float16))
     assert np.array_equal(second.target_probs, results[1].target_probs)
     assert second.cached_tokens == 0 and second.hidden is None
