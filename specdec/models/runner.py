@@ -23,7 +23,8 @@ from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
 from specdec.models.ragged import build_batch, ragged_forward, supports_ragged
 
-# Fresh items of one step that open with this many equal tokens share their prefix's forward.
+# A session without a cache entry starts from a copy of another's that shares at least this many
+# leading tokens (a system prompt); fresh items of one step sharing as many compute them once.
 MIN_SHARED_PREFIX = 16
 
 
@@ -83,6 +84,10 @@ class SessionKVCache:
     def peek(self, session_id: str) -> _CacheEntry | None:
         """The entry, left in place and in its LRU position (None without one)."""
         return self._entries.get(session_id)
+
+    def entries(self) -> list[_CacheEntry]:
+        """Every entry, most recently used first (left in place)."""
+        return list(reversed(self._entries.values()))
 
     def token_ids(self, session_id: str) -> list[int] | None:
         """The tokens the session's entry holds keys/values for, None without one (tests, debugging)."""
@@ -351,17 +356,10 @@ class ModelRunner:
 
     def _share_prefixes(self, items: list[StepItem]) -> None:
         """Items that hold no cache entry yet and open with the same tokens (the samples of one
-        request, chats under one system prompt) get that prefix's keys/values computed once: the
-        first runs it into its entry, the others start from copies of that entry. Each item's own
-        forward then runs only its remaining tokens, as if its cache had held the prefix."""
-        fresh = [
-            i
-            for i in items
-            if i.session_id
-            and i.input_hidden is None
-            and i.hidden_from is None
-            and self.cache.peek(i.session_id) is None
-        ]
+        request, chats under one system prompt) get that prefix computed once: the first runs it
+        into its entry (unless a cached entry holds it already), and every item's own entry starts
+        as a copy of it (`_fork`)."""
+        fresh = [i for i in items if i.session_id and i.input_hidden is None and self.cache.peek(i.session_id) is None]
         groups: dict[tuple[int, ...], list[StepItem]] = {}
         for item in fresh:
             if len(item.token_ids) - item.num_last >= MIN_SHARED_PREFIX:
@@ -369,11 +367,33 @@ class ModelRunner:
         for leader, *others in (g for g in groups.values() if len(g) > 1):
             shared = min(len(i.token_ids) - i.num_last for i in (leader, *others))
             shared = min([shared, *(common_prefix_length(leader.token_ids, i.token_ids) for i in others)])
-            self.last_logits(leader.session_id, leader.token_ids[:shared], 1)
-            with self._lock:
-                entry = self.cache.peek(leader.session_id)
-                for other in others if entry is not None else ():
-                    self.cache.put(other.session_id, _CacheEntry(list(entry.token_ids), copy.deepcopy(entry.kv)))
+            if self._fork(list(leader.token_ids), shared) is None:  # nothing cached holds it yet
+                self.last_logits(leader.session_id, leader.token_ids[:shared], 1)
+            with self._lock:  # now, as a step takes every entry out before its forward
+                for item in (leader, *others):
+                    fork = None if self.cache.peek(item.session_id) else self._fork(list(item.token_ids), shared)
+                    if fork is not None:
+                        self.cache.put(item.session_id, fork)
+
+    def _fork(self, token_ids: list[int], limit: int) -> _CacheEntry | None:
+        """A copy of the cached entry that shares the longest prefix with `token_ids` (at least
+        MIN_SHARED_PREFIX positions, at most `limit`), cropped to it: a new session under a system
+        prompt another session already ran starts from its keys/values, which are a function of
+        the tokens and positions alone (not for a draft fed hidden states: those depend on more)."""
+        if self.needs_target_hidden or limit < MIN_SHARED_PREFIX:
+            return None
+        best, best_len = None, MIN_SHARED_PREFIX - 1
+        for entry in self.cache.entries():
+            exact = len(entry.token_ids) if entry.exact_len is None else entry.exact_len
+            shared = min(common_prefix_length(entry.token_ids, token_ids), limit, exact)
+            if shared > best_len:
+                best, best_len = entry, shared
+        if best is None:
+            return None
+        fork = _CacheEntry(list(best.token_ids[:best_len]), copy.deepcopy(best.kv))
+        if best_len < len(best.token_ids):
+            fork.kv.crop(best_len - len(best.token_ids))  # negative: drops the positions past the shared ones
+        return fork
 
     def _ragged_ok(self) -> bool:
         if self._supports_ragged is None:
@@ -436,6 +456,8 @@ class ModelRunner:
     ) -> tuple[_CacheEntry, int]:
         """(the session's entry cropped for reuse, or a fresh one; how many positions it keeps)."""
         entry = self.cache.take(session_id) if session_id else None
+        if entry is None and session_id:
+            entry = self._fork(token_ids, len(token_ids) - num_last)
         reuse = 0
         if entry is not None:
             reuse = _reusable_positions(entry, token_ids, num_last, hidden_from)

@@ -269,14 +269,35 @@ def test_fresh_items_with_one_prompt_compute_it_once(tiny_loaded):
         results = batched.step(items)
     assert len(calls) == 2  # the shared 18 tokens once, then the step
     assert [r.cached_tokens for r in results] == [18, 18, 18, 0]
-    for got, item in zip(results, items, strict=True):
-        torch.testing.assert_close(got.logits, _solo(solo, item).logits, atol=ATOL, rtol=0)
-    for item in items:  # the entries are the sessions' own and continue like the solo ones
+    for got, item in zip(results, items, strict=True):  # against uncached forwards
+        torch.testing.assert_close(
+            got.logits, solo.last_logits("", item.token_ids, item.num_last).logits, atol=ATOL, rtol=0
+        )
+    for item in items:  # the entries are the sessions' own and continue like uncached forwards
         assert batched.cache.token_ids(item.session_id) == list(item.token_ids)
         more = [*item.token_ids, 3]
         torch.testing.assert_close(
             batched.last_logits(item.session_id, more, 2).logits,
-            solo.last_logits(item.session_id, more, 2).logits,
+            solo.last_logits("", more, 2).logits,
             atol=ATOL,
             rtol=0,
         )
+
+
+def test_a_new_session_starts_from_a_cached_session_under_the_same_prompt(tiny_loaded):
+    """A later session whose prompt opens like a cached one's (a system prompt) copies its keys and
+    values for the shared positions, whole or in part, and computes what it would alone."""
+    model = tiny_loaded["target"].runner.model
+    runner, solo = _runner(model), _runner(model)
+    system = [(5 * i + 2) % 8 for i in range(17)]
+    runner.last_logits("first", [*system, 1, 2, 3], 1)
+    cases = [
+        ("whole", [*system, 1, 2, 3, 4], 2, 19),
+        ("part", [*system, 6, 6], 1, 17),
+        ("short", system[:15] + [0], 1, 0),
+    ]
+    for session, tokens, num_last, shared in cases:
+        got = runner.last_logits(session, tokens, num_last)
+        assert got.cached_tokens == shared
+        torch.testing.assert_close(got.logits, solo.last_logits("", tokens, num_last).logits, atol=ATOL, rtol=0)
+    assert runner.cache.token_ids("first") == [*system, 1, 2, 3]  # the source is untouched
