@@ -390,10 +390,21 @@ class ModelRunner:
                 best, best_len = entry, shared
         if best is None:
             return None
-        fork = _CacheEntry(list(best.token_ids[:best_len]), copy.deepcopy(best.kv))
-        if best_len < len(best.token_ids):
-            fork.kv.crop(best_len - len(best.token_ids))  # negative: drops the positions past the shared ones
-        return fork
+        return _CacheEntry(list(best.token_ids[:best_len]), self._copy_prefix(best, best_len))
+
+    def _copy_prefix(self, entry: _CacheEntry, n: int):
+        """A new cache holding copies of the entry's keys/values of positions [0, n) only (a long
+        source is not copied whole for a short shared prefix)."""
+        layers = getattr(entry.kv, "layers", None)
+        if not layers or not all(type(layer).__name__ == "DynamicLayer" for layer in layers):
+            kv = copy.deepcopy(entry.kv)  # another cache layout: copy, then drop the rest
+            if n < len(entry.token_ids):
+                kv.crop(n - len(entry.token_ids))
+            return kv
+        kv = self._new_cache()
+        for index, layer in enumerate(layers):  # keys/values: [batch, kv heads, positions, head dim]
+            kv.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), index)
+        return kv
 
     def _ragged_ok(self) -> bool:
         if self._supports_ragged is None:

@@ -301,3 +301,7 @@ def test_a_new_session_starts_from_a_cached_session_under_the_same_prompt(tiny_l
         assert got.cached_tokens == shared
         torch.testing.assert_close(got.logits, solo.last_logits("", tokens, num_last).logits, atol=ATOL, rtol=0)
     assert runner.cache.token_ids("first") == [*system, 1, 2, 3]  # the source is untouched
+    more = [*system, 1, 2, 3, 5]
+    torch.testing.assert_close(
+        runner.last_logits("first", more, 1).logits, solo.last_logits("", more, 1).logits, atol=ATOL, rtol=0
+    )
