@@ -357,7 +357,7 @@ class ModelRunner:
     def _share_prefixes(self, items: list[StepItem]) -> None:
         """Items that hold no cache entry yet and open with the same tokens (the samples of one
         request, chats under one system prompt) get that prefix computed once: the first runs it
-        into its entry (unless a cached entry holds it already), and every item's own entry starts
+        into its entry (unless a cached entry holds all of it), and every item's own entry starts
         as a copy of it (`_fork`)."""
         fresh = [i for i in items if i.session_id and i.input_hidden is None and self.cache.peek(i.session_id) is None]
         groups: dict[tuple[int, ...], list[StepItem]] = {}
@@ -367,7 +367,7 @@ class ModelRunner:
         for leader, *others in (g for g in groups.values() if len(g) > 1):
             shared = min(len(i.token_ids) - i.num_last for i in (leader, *others))
             shared = min([shared, *(common_prefix_length(leader.token_ids, i.token_ids) for i in others)])
-            if self._fork(list(leader.token_ids), shared) is None:  # nothing cached holds it yet
+            if self._fork_source(list(leader.token_ids), shared)[1] < shared:  # not all cached yet
                 self.last_logits(leader.session_id, leader.token_ids[:shared], 1)
             with self._lock:  # now, as a step takes every entry out before its forward
                 for item in (leader, *others):
@@ -376,21 +376,27 @@ class ModelRunner:
                         self.cache.put(item.session_id, fork)
 
     def _fork(self, token_ids: list[int], limit: int) -> _CacheEntry | None:
-        """A copy of the cached entry that shares the longest prefix with `token_ids` (at least
-        MIN_SHARED_PREFIX positions, at most `limit`), cropped to it: a new session under a system
-        prompt another session already ran starts from its keys/values, which are a function of
-        the tokens and positions alone (not for a draft fed hidden states: those depend on more)."""
-        if self.needs_target_hidden or limit < MIN_SHARED_PREFIX:
+        """A copy of the cached entry that shares the longest prefix with `token_ids`, cropped to
+        it (`_fork_source`): a new session under a system prompt another session already ran
+        starts from its keys/values."""
+        source, shared = self._fork_source(token_ids, limit)
+        if source is None:
             return None
+        return _CacheEntry(list(source.token_ids[:shared]), self._copy_prefix(source, shared))
+
+    def _fork_source(self, token_ids: list[int], limit: int) -> tuple[_CacheEntry | None, int]:
+        """(the cached entry sharing the most leading positions with `token_ids`, at least
+        MIN_SHARED_PREFIX and at most `limit`; how many), or (None, 0). Keys/values are a function
+        of the tokens and positions alone, except for a draft fed hidden states: none for it."""
+        if self.needs_target_hidden or limit < MIN_SHARED_PREFIX:
+            return None, 0
         best, best_len = None, MIN_SHARED_PREFIX - 1
         for entry in self.cache.entries():
             exact = len(entry.token_ids) if entry.exact_len is None else entry.exact_len
             shared = min(common_prefix_length(entry.token_ids, token_ids), limit, exact)
             if shared > best_len:
                 best, best_len = entry, shared
-        if best is None:
-            return None
-        return _CacheEntry(list(best.token_ids[:best_len]), self._copy_prefix(best, best_len))
+        return (best, best_len) if best is not None else (None, 0)
 
     def _copy_prefix(self, entry: _CacheEntry, n: int):
         """A new cache holding copies of the entry's keys/values of positions [0, n) only (a long
