@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
-import secrets
 import time
 
 from coordinator.auth import ApiKeys
@@ -27,7 +25,7 @@ from specdec.core.protocols import Deadline
 from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
-from specdec.rpc.logs import log_context
+from specdec.rpc.logs import REQUEST_ID_KEY, log_context, request_id_or_new
 from specdec.rpc.metrics import GenerationMetrics, observe_draft_health
 from specdec.rpc.server import GrpcServer, build_grpc_server, configure_observability
 from specdec.rpc.tls import ChannelCertificateFiles, TlsFiles, redact_url
@@ -43,15 +41,10 @@ def deadline_of(context) -> Deadline:
     return Deadline(time.monotonic() + remaining)
 
 
-# A caller's own request id (a gateway's x-request-id) is kept when it is a short token.
-REQUEST_ID_KEY = "x-request-id"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-
-
 def request_id_of(context) -> str:
     """The caller's x-request-id when it is a sane token, else a new random one."""
     given = next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), "")
-    return given if isinstance(given, str) and _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+    return request_id_or_new(given)
 
 
 def request_scope(method):
@@ -106,18 +99,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @request_scope
     @grpc_errors
-    def Generate(self, request, context):  # noqa: N802 - gRPC name
+    def Generate(self, request, context):
         tenant = self.tenant(context)
         return self.generator.generate(request, deadline_of(context), context.is_active, tenant=tenant)
 
     @request_scope
     @grpc_errors
-    def GenerateStream(self, request, context):  # noqa: N802
+    def GenerateStream(self, request, context):
         tenant = self.tenant(context)
         yield from self.generator.stream(request, deadline_of(context), context.is_active, tenant=tenant)
 
     @grpc_errors
-    def GetSession(self, request, context):  # noqa: N802
+    def GetSession(self, request, context):
         tenant = self.tenant(context)
         validate_session_id(request.session_id)
         record = self.store.get(request.session_id, tenant=tenant)
@@ -132,7 +125,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     @grpc_errors
-    def DeleteSession(self, request, context):  # noqa: N802
+    def DeleteSession(self, request, context):
         tenant = self.tenant(context)
         validate_session_id(request.session_id)
         return coordinator_pb2.DeleteSessionResponse(deleted=self.store.delete(request.session_id, tenant=tenant))
@@ -149,14 +142,16 @@ def pool_channel_credentials(settings: CoordinatorSettings) -> ChannelCertificat
 
 def session_store(settings: CoordinatorSettings) -> SessionStore:
     """The sessions' Redis, with a connection for every thread that may use one at once."""
-    store = SessionStore.from_url(
-        settings.redis_url, settings.session_key_prefix, settings.session_ttl_s, settings.session_lock_ttl_s
-    )
     # redis-py's pool opens at most 100 connections, then refuses commands (MaxConnectionsError:
     # UNAVAILABLE to the caller, seen at 128 streams): each worker thread and each stream's lease
     # heartbeat may hold one at a time. Connections open lazily: an unused bound costs nothing.
-    store.client.connection_pool.max_connections = 2 * settings.max_workers + 8
-    return store
+    return SessionStore.from_url(
+        settings.redis_url,
+        settings.session_key_prefix,
+        settings.session_ttl_s,
+        settings.session_lock_ttl_s,
+        max_connections=2 * settings.max_workers + 8,
+    )
 
 
 def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcServer, int]:

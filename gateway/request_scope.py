@@ -13,8 +13,6 @@ one span to its last byte.
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 import time
 from contextlib import AbstractContextManager, nullcontext
 
@@ -23,23 +21,20 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.http_metrics import route_of
 from specdec.rpc import tracing
-from specdec.rpc.logs import log_context
+from specdec.rpc.logs import REQUEST_ID_KEY, log_context, request_id_or_new
 
 log = logging.getLogger("gateway.access")
 
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = REQUEST_ID_KEY
 # Probes and scrapes every few seconds would drown the traces and logs of requests (as health
 # and reflection are untraced on the gRPC side): no span, and an access line only when they fail.
 PROBE_ROUTES = frozenset({"/health", "/metrics"})
-# The tokens the coordinator keeps as its request id (coordinator.server.request_id_of).
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
     """The client's X-Request-Id when it is a short token, else a new random one."""
     given = next((value for key, value in headers if key == REQUEST_ID_HEADER.encode()), b"")
-    text = given.decode("latin-1")
-    return text if _REQUEST_ID.fullmatch(text) else secrets.token_hex(8)
+    return request_id_or_new(given.decode("latin-1"))
 
 
 def _server_span(scope, route: str) -> AbstractContextManager:

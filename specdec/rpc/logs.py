@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,10 +20,18 @@ from datetime import UTC, datetime
 from specdec.rpc.tracing import current_trace_id
 
 LOG_FORMATS = ("text", "json")
+# A caller's request id (metadata / HTTP header), kept when it is a short token.
+REQUEST_ID_KEY = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 request_id: ContextVar[str] = ContextVar("specdec_request_id", default="")
 session_id: ContextVar[str] = ContextVar("specdec_session_id", default="")
+
+
+def request_id_or_new(given: object) -> str:
+    """`given` when it is a sane request id (a short token), else a new random one."""
+    return given if isinstance(given, str) and _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
 
 
 @contextmanager
