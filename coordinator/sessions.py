@@ -120,8 +120,13 @@ class SessionStore:
         self._renew_script = client.register_script(_RENEW_IF_OWNER)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str, ttl_s: int, lock_ttl_s: int) -> SessionStore:
-        client = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    def from_url(
+        cls, url: str, prefix: str, ttl_s: int, lock_ttl_s: int, max_connections: int | None = None
+    ) -> SessionStore:
+        """`max_connections`: the pool's bound (redis-py's default, 100, refuses commands past it)."""
+        client = redis.Redis.from_url(
+            url, socket_timeout=5.0, socket_connect_timeout=5.0, max_connections=max_connections
+        )
         return cls(client, prefix, ttl_s, lock_ttl_s)
 
     def _key(self, session_id: str) -> str:
