@@ -21,6 +21,7 @@ import torch
 
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
+from specdec.models.kv_cache import ReservedLayer, new_cache
 from specdec.models.ragged import build_batch, ragged_forward, supports_ragged
 
 # A session without a cache entry starts from a copy of another's that shares at least this many
@@ -268,9 +269,7 @@ class ModelRunner:
         return self._model_thread.submit(fn, *args, **kwargs).result()
 
     def _new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        return new_cache(self.model.config)
 
     @torch.inference_mode()
     def last_logits(
@@ -402,14 +401,14 @@ class ModelRunner:
         """A new cache holding copies of the entry's keys/values of positions [0, n) only (a long
         source is not copied whole for a short shared prefix)."""
         layers = getattr(entry.kv, "layers", None)
-        if not layers or not all(type(layer).__name__ == "DynamicLayer" for layer in layers):
+        if not layers or not all(isinstance(layer, ReservedLayer) for layer in layers):
             kv = copy.deepcopy(entry.kv)  # another cache layout: copy, then drop the rest
             if n < len(entry.token_ids):
                 kv.crop(n - len(entry.token_ids))
             return kv
         kv = self._new_cache()
         for index, layer in enumerate(layers):  # keys/values: [batch, kv heads, positions, head dim]
-            kv.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), index)
+            kv.update(layer.keys[:, :, :n], layer.values[:, :, :n], index)  # update copies them
         return kv
 
     def _ragged_ok(self) -> bool:

@@ -1,0 +1,99 @@
+"""ReservedLayer hands attention exactly what DynamicLayer would, without copying the cache per step."""
+
+import copy
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from specdec.models.kv_cache import GROWTH_MIN, ReservedLayer, new_cache
+
+
+def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, n, 4, generator=generator), torch.randn(1, 2, n, 4, generator=generator)
+
+
+def _same(a, b) -> None:
+    assert a.keys.shape == b.keys.shape
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_updates_and_crops_match_dynamic_layer():
+    reserved, dynamic = ReservedLayer(), DynamicLayer()
+    # Prefill, decodes, a rollback after a rejection, a verify, a prefill that outgrows the room.
+    script = [("update", 5), ("update", 1), ("update", 1), ("crop", -2), ("update", 4), ("update", 300), ("crop", -7)]
+    for seed, (op, n) in enumerate(script):
+        if op == "update":
+            keys, values = _rows(n, seed)
+            got = reserved.update(keys, values)
+            want = dynamic.update(keys, values)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:
+            reserved.crop(n)
+            dynamic.crop(n)
+        _same(reserved, dynamic)
+        assert reserved.get_seq_length() == dynamic.get_seq_length()
+
+
+def test_decoding_writes_in_place_and_room_is_bounded():
+    layer = ReservedLayer()
+    layer.update(*_rows(10, 0))
+    buffer = layer._key_buffer
+    assert buffer.shape[-2] == 10 + GROWTH_MIN
+    for seed in range(GROWTH_MIN):  # fills the room without a new buffer
+        layer.update(*_rows(1, seed + 1))
+        assert layer._key_buffer is buffer and layer.keys.data_ptr() == buffer.data_ptr()
+    layer.update(*_rows(1, 99))  # one more: a new buffer, a quarter larger
+    needed = 10 + GROWTH_MIN + 1
+    assert layer._key_buffer is not buffer and layer._key_buffer.shape[-2] == needed + max(GROWTH_MIN, needed // 4)
+
+
+def test_rebound_keys_are_not_overwritten():
+    """A method that rebinds keys/values to new tensors (beam search's batch_select_indices) leaves
+    the old buffer behind: the next update must start from the rebound tensors."""
+    reserved, dynamic = ReservedLayer(), DynamicLayer()
+    for layer in (reserved, dynamic):
+        layer.update(*_rows(6, 0))
+        layer.batch_repeat_interleave(2)
+        keys, values = _rows(1, 1)
+        layer.update(keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1))
+    _same(reserved, dynamic)
+
+
+def test_deepcopy_is_independent():
+    layer = ReservedLayer()
+    layer.update(*_rows(4, 0))
+    clone = copy.deepcopy(layer)
+    clone.update(*_rows(1, 1))
+    layer.update(*_rows(1, 2))
+    assert not torch.equal(clone.keys[:, :, -1], layer.keys[:, :, -1])
+    assert torch.equal(clone.keys[:, :, :4], layer.keys[:, :, :4])
+
+
+def test_new_cache_reserves_full_attention_layers_only():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=2,
+    )
+    kinds = [type(layer) for layer in new_cache(config).layers]
+    assert kinds[:2] == [ReservedLayer, ReservedLayer]
+    assert all(kind is not ReservedLayer for kind in kinds[2:])
+
+
+@pytest.mark.parametrize("new", [1, 5])
+def test_reset_forgets_the_buffer(new):
+    layer = ReservedLayer()
+    layer.update(*_rows(3, 0))
+    layer.reset()
+    keys, values = _rows(new, 1)
+    assert torch.equal(layer.update(keys, values)[0], keys)
