@@ -23,16 +23,14 @@ def warp_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     (as Hugging Face's samplers). Greedy is the one-hot law on the argmax
     (first index on ties), so speculative greedy is the same algorithm.
     """
-    logits = logits.to(torch.float64)
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
-        raise NonFiniteLogitsError("model produced NaN or +inf logits")
-    if torch.isneginf(logits).all(dim=-1).any():
-        raise NonFiniteLogitsError("model produced a row of all -inf logits")
+    _check_finite(logits)
     if sampling.greedy:
-        probs = torch.zeros_like(logits)
+        # argmax before the float64 cast: the cast is exact, so the same index (and the same first
+        # one on ties), without copying the whole vocabulary first.
+        probs = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return probs
-    scaled = logits / sampling.temperature
+    scaled = logits.to(torch.float64) / sampling.temperature
     vocab = scaled.shape[-1]
     if 0 < sampling.top_k < vocab:
         # Ties with the k-th value are kept: the cut is a pure function of the logits.
@@ -42,6 +40,17 @@ def warp_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.top_p < 1.0:
         probs = _nucleus(probs, sampling.top_p)
     return probs
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """Raise on NaN or +inf logits, or a row of all -inf: one pass over the logits, as a row's
+    max is NaN when it holds a NaN (amax propagates it), +inf with a +inf, -inf when all are."""
+    row_max = logits.amax(dim=-1)  # [N]
+    if bool(torch.isfinite(row_max).all()):
+        return
+    if bool(torch.isnan(row_max).any() or torch.isposinf(row_max).any()):
+        raise NonFiniteLogitsError("model produced NaN or +inf logits")
+    raise NonFiniteLogitsError("model produced a row of all -inf logits")
 
 
 _NUCLEUS_CANDIDATES = 1024

@@ -177,14 +177,25 @@ def test_greedy_round_accepts_while_draft_is_target_argmax():
     assert result.accepted_tokens == [1, 2] and result.recovered_token == 4
 
 
-def test_nonfinite_logits_are_a_clear_error():
-    for bad in (float("nan"), float("inf")):
-        with pytest.raises(NonFiniteLogitsError):
-            warp_logits(torch.tensor([[0.0, bad]]), Sampling(1.0))
-    with pytest.raises(NonFiniteLogitsError):
-        warp_logits(torch.tensor([[float("-inf"), float("-inf")]]), Sampling(1.0))
-    masked = warp_logits(torch.tensor([[0.0, float("-inf")]]), Sampling(1.0))  # -inf alone is a legal mask
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.0)], ids=["sampled", "greedy"])
+def test_nonfinite_logits_are_a_clear_error(sampling):
+    nan, inf = float("nan"), float("inf")
+    # A bad value anywhere, in any row (the second row here), alone or with the other kind.
+    for bad in ([0.0, nan], [0.0, inf], [inf, nan], [nan, -inf]):
+        with pytest.raises(NonFiniteLogitsError, match="NaN or"):
+            warp_logits(torch.tensor([[0.0, 1.0], bad]), sampling)
+    with pytest.raises(NonFiniteLogitsError, match="all -inf"):
+        warp_logits(torch.tensor([[0.0, 1.0], [-inf, -inf]]), sampling)
+    masked = warp_logits(torch.tensor([[0.0, -inf]]), sampling)  # -inf alone is a legal mask
     np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_takes_the_first_argmax_in_any_dtype(dtype):
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 3.0]], dtype=dtype)
+    probs = warp_logits(logits, Sampling(0.0))
+    assert probs.dtype == torch.float64
+    np.testing.assert_array_equal(probs.numpy(), [[0, 1, 0, 0], [1, 0, 0, 0]])
 
 
 def test_nucleus_fast_path_equals_full_sort():
