@@ -5,7 +5,8 @@ nothing downloaded) and measures, through the services' own runners:
 1. target-only decode, ms per token: eager `ModelRunner` against the `StaticModelRunner` that
    `make_runner` selects on CUDA (static KV cache, torch.compile mode="reduce-overhead");
 2. the draft/target cost ratio c = draft ms / target ms per decode step, for both paths;
-3. a Verify's cost by rows (K + 1 new tokens after the prompt);
+3. a Verify's cost by rows (K + 1 new tokens after the prompt), and a batched static step of
+   1 and --batch (8) sessions decoding a token each (the serving engine's step under load);
 4. K=0 against K=4 end to end: the speculative engine (`SpeculativeEngine` with the in-process
    `LocalDrafter` / `LocalVerifier`, the loop `specdec.inprocess` runs, without its tokenizer),
    temperature 1, on the static runners. Random weights give near-uniform laws, so the acceptance
@@ -80,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round in the end-to-end run")
     parser.add_argument("--e2e-tokens", type=int, default=128, help="tokens generated per end-to-end run")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of each timing (best kept)")
+    parser.add_argument("--batch", type=int, default=8, help="sessions in the batched static step timed (1-16)")
     parser.add_argument("--skip-eager", action="store_true", help="skip the eager runner's timings")
     parser.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end K=0 / K=4 runs")
     parser.add_argument("--json", default="", help="also write the results to this file")
@@ -92,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"unknown shape {name!r}; choose from {', '.join(shapes)}")
     if min(args.tokens, args.prompt_len, args.e2e_tokens, args.repeats) < 1 or args.k < 1:
         parser.error("--tokens, --prompt-len, --e2e-tokens, --repeats and --k must be >= 1")
+    if not 1 <= args.batch <= 16:
+        parser.error("--batch must be in [1, 16] (the static path's largest batch bucket)")
     args.shapes = {"draft": shapes[args.draft], "target": shapes[args.target]}
     return args
 
@@ -185,6 +189,27 @@ def verify_ms(runner, prompt: list[int], rows: int, repeats: int = 10) -> float:
     return 1e3 * statistics.median(times[2:])
 
 
+def batched_step_ms(runner, prompt: list[int], sessions: int, steps: int) -> float:
+    """ms per step of `sessions` sessions decoding one token each after their cached prompts
+    (one batched forward on the static path); tokens/s in all = sessions / that."""
+    from specdec.models.runner import StepItem
+
+    vocab = runner.vocab_size
+    ids = {f"batch-{s}": [_token(s, vocab), *prompt] for s in range(sessions)}  # distinct sessions
+    runner.step([StepItem(name, tokens, 1) for name, tokens in ids.items()])  # the prompts: untimed
+    started = 0.0
+    for i in range(steps + 3):  # the first 3 untimed: compiles and first replays
+        if i == 3:
+            started = time.perf_counter()
+        for tokens in ids.values():
+            tokens.append(_token(i, vocab))
+        runner.step([StepItem(name, tokens, 1) for name, tokens in ids.items()])
+    elapsed = time.perf_counter() - started
+    for name in ids:
+        runner.cache.drop(name)
+    return 1e3 * elapsed / steps
+
+
 def end_to_end(draft, target, prompt: list[int], k: int, tokens: int, seed: int) -> dict:
     """One generation through the speculative engine: tokens/s and the draft's acceptance."""
     from draft_service.proposer import LocalDrafter
@@ -261,6 +286,13 @@ def run(args: argparse.Namespace) -> dict:
         rows: target_static.on_model_thread(verify_ms, target_static, prompt, rows) for rows in (1, args.k + 1)
     }
     _progress(f"target verify ms by rows: {results['verify_ms']}")
+    results["batched_step_ms"] = {
+        sessions: target_static.on_model_thread(
+            batched_step_ms, target_static, prompt, sessions, max(1, args.tokens // 4)
+        )
+        for sessions in (1, args.batch)
+    }
+    _progress(f"target static ms per step by sessions x 1 token: {results['batched_step_ms']}")
     if not args.skip_e2e:
         _measure_e2e(args, loaded, prompt, results)
     return results
@@ -321,6 +353,12 @@ def table(results: dict, k: int) -> str:
     lines.append(
         "target verify ms by rows (static): " + "  ".join(f"{r}: {v:.2f}" for r, v in results["verify_ms"].items())
     )
+    steps = results.get("batched_step_ms")
+    if steps:
+        lines.append(
+            "target static step of N sessions x 1 token, ms (tok/s): "
+            + "  ".join(f"{n}: {v:.2f} ({n * 1e3 / v:.0f})" for n, v in steps.items())
+        )
     e2e = results.get("e2e")
     if e2e:
         for outcome in e2e["runs"]:

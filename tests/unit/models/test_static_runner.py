@@ -188,3 +188,86 @@ def test_load_model_selects_the_static_runner_by_setting(tiny_model_dirs):
     assert type(load_model(settings, "target").runner) is ModelRunner
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, [], {"SPECDEC_TARGET_COMPILE": "maybe"})
+
+
+@pytest.fixture(scope="module")
+def two_rows(model):
+    """A static runner whose steps batch at most two sessions (more are split across steps)."""
+    return StaticModelRunner(
+        model, SessionKVCache(4, 10_000), max_len=64, buckets=TEST_BUCKETS, backend="aot_eager", batch_buckets=(1, 2)
+    )
+
+
+@pytest.mark.parametrize("rows", ["sixteen", "two"])
+def test_batched_steps_match_eager_through_rollbacks_and_evictions(model, pair, two_rows, rows):
+    """Steps of one to five sessions (decodes and verifies of up to 5 tokens, rollbacks, an entry
+    bound that evicts, rows that change hands): every sequence's logits equal a full recompute and
+    the cache behaves as the eager runner's."""
+    static, eager = (
+        pair(max_entries=4) if rows == "sixteen" else (two_rows, ModelRunner(model, SessionKVCache(4, 10_000)))
+    )
+    rng = np.random.default_rng(1)
+    history = {s: [1 + i, 2, 3] for i, s in enumerate("abcde")}
+    shared = 0
+    for _ in range(24):
+        sessions = rng.choice(list("abcde"), size=int(rng.integers(1, 6)), replace=False)
+        drafts = {s: rng.integers(0, 8, size=rng.integers(0, 5)).tolist() for s in sessions}
+        items = [StepItem(s, history[s] + drafts[s], len(drafts[s]) + 1) for s in sessions]
+        got, want = static.step(items), eager.step(items)
+        for item, g, w in zip(items, got, want, strict=True):
+            torch.testing.assert_close(g.logits, _full_logits(model, list(item.token_ids), item.num_last), **TOL)
+            assert g.cached_tokens == w.cached_tokens
+            shared = max(shared, g.step_sequences)
+        for s in sessions:
+            keep = int(rng.integers(0, len(drafts[s]) + 1))
+            history[s] = history[s] + drafts[s][:keep] + [int(rng.integers(0, 8))]
+            if len(history[s]) > 40:
+                history[s] = history[s][:3]
+    assert (static.cache.hits, static.cache.misses) == (eager.cache.hits, eager.cache.misses)
+    for s in "abcde":
+        assert static.cache.token_ids(s) == eager.cache.token_ids(s)
+    assert shared == (5 if rows == "sixteen" else 2)
+    assert static.restores > 0
+
+
+def test_a_step_mixes_batched_prompts_uncached_and_hidden_states(model, pair):
+    """A prompt past the buckets runs alone, the rest share one compiled forward; hidden states
+    and an uncached item come out as alone."""
+    static, eager = pair()
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 8, size=20)]
+    static.step([StepItem("d", [1, 2, 3], 1)])
+    eager.step([StepItem("d", [1, 2, 3], 1)])
+    items = [
+        StepItem("p", prompt, 2),
+        StepItem("d", [1, 2, 3, 4], 1, hidden_from=1),
+        StepItem("", [5, 6], 1),
+        StepItem("h", [7, 1, 2, 3], 2, hidden_from=0),
+    ]
+    before = (static.compiled_forwards, static.eager_forwards)
+    got, want = static.step(items), eager.step(items)
+    assert (static.compiled_forwards - before[0], static.eager_forwards - before[1]) == (1, 1)
+    for item, g, w in zip(items, got, want, strict=True):
+        torch.testing.assert_close(g.logits, _full_logits(model, list(item.token_ids), item.num_last), **TOL)
+        if item.hidden_from is not None:
+            torch.testing.assert_close(g.hidden, w.hidden, **TOL)
+        assert g.cached_tokens == w.cached_tokens
+    assert [r.step_sequences for r in got] == [1, 3, 3, 3]
+
+
+def test_a_pad_row_never_overwrites_a_resident_prefix(model):
+    """A step of three pads to four rows; the fourth row's resident holds too many positions for
+    the pad row to write past them: the resident is saved first and later reads back what it held."""
+    static = StaticModelRunner(model, SessionKVCache(8, 10_000), max_len=24, buckets=TEST_BUCKETS, backend="aot_eager")
+    base = {s: [i + 1, 2, 3] for i, s in enumerate("abc")}
+    long = [int(t) for t in np.random.default_rng(3).integers(0, 8, size=21)]
+    static.step([StepItem(s, base[s], 1) for s in "abc"])  # rows 0-2
+    static.step([StepItem("z", long, 1)])  # 21 new tokens: alone, eagerly, in row 0
+    static.step([*(StepItem(s, [*base[s], 4], 1) for s in "abc"), StepItem("z", [*long, 5], 1)])
+    assert static._resident(3) is not None and static._resident(3).length == 22  # z, in row 3
+    # 3 new tokens each: a bucket of 4, which the pad row (row 3) cannot write after z's 22.
+    items = [StepItem(s, [*base[s], 4, 5, 6, 7], 3) for s in "abc"]
+    for item, result in zip(items, static.step(items), strict=True):
+        torch.testing.assert_close(result.logits, _full_logits(model, list(item.token_ids), 3), **TOL)
+    after = static.last_logits("z", [*long, 5, 6], 1)
+    assert after.cached_tokens == 22
+    torch.testing.assert_close(after.logits, _full_logits(model, [*long, 5, 6], 1), **TOL)

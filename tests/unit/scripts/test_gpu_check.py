@@ -98,4 +98,6 @@ def test_dry_run_end_to_end(tmp_path, capsys):
     assert set(results["models"]["target"]["ms_per_token"]) == {"eager", "static"}
     assert {run["k"] for run in results["e2e"]["runs"]} == {0, 4}
     assert all(run["tokens"] == 12 for run in results["e2e"]["runs"])
-    assert "end to end K=4" in capsys.readouterr().out
+    assert set(results["batched_step_ms"]) == {"1", "8"}  # JSON keys
+    printed = capsys.readouterr().out
+    assert "end to end K=4" in printed and "step of N sessions x 1 token" in printed
