@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Self
 
 from coordinator.generation import Generator
 from coordinator.pools import PoolInfo, compatibility_error
@@ -78,6 +79,23 @@ class InProcessPipeline:
             coordinator_settings.setdefault("default_num_speculative_tokens", "0")
         settings = CoordinatorSettings(tokenizer=target, **coordinator_settings)
         self.generator = Generator(settings, engine, lambda deadline, need_draft: pools, self.tokenizer, store=None)
+
+    def close(self) -> None:
+        """Fail what is still running (UNAVAILABLE), then free both models' caches and end their
+        thread. Idempotent; also `with InProcessPipeline(...) as pipeline:`."""
+        from specdec.models.scheduler import scheduler_for
+
+        runners = [p.runner for p in (self.draft, self.target) if p is not None and p.runner is not None]
+        for runner in runners:  # the draft first: it borrows the target's thread
+            if not runner.closed:
+                scheduler_for(runner).close("the in-process pipeline is closed")
+                runner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -19,10 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core.errors import Unavailable
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
 from specdec.models.kv_cache import ReservedLayer, new_cache
 from specdec.models.ragged import build_batch, ragged_forward, supports_ragged
+
+# Set on every model thread (the executors' initializer): close() must not wait for its own thread.
+_MODEL_THREAD = threading.local()
+
+
+def _mark_model_thread() -> None:
+    _MODEL_THREAD.active = True
+
 
 # A session without a cache entry starts from a copy of another's that shares at least this many
 # leading tokens (a system prompt); fresh items of one step sharing as many compute them once.
@@ -81,6 +90,10 @@ class SessionKVCache:
 
     def drop(self, session_id: str) -> None:
         self.take(session_id)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
 
     def peek(self, session_id: str) -> _CacheEntry | None:
         """The entry, left in place and in its LRU position (None without one)."""
@@ -245,7 +258,11 @@ class ModelRunner:
         # worker team per calling thread: forwards from a pool of gRPC threads build many teams,
         # which throttle each other's spin-waits, so every parallel region becomes a futex wake-up
         # (a SmolLM2 decode on 2 cores: 55 ms from one thread, ~110 ms once several threads have run ops).
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._model_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="model", initializer=_mark_model_thread
+        )
+        self._owns_thread = True  # False once share_model_thread borrows another runner's
+        self.closed = False
         # Picks torch's thread count per forward from measured speed (specdec.models.threads);
         # None: whatever torch is set to.
         self.governor = None
@@ -257,16 +274,36 @@ class ModelRunner:
     def share_model_thread(self, other: ModelRunner) -> None:
         """Run this model's ops on `other`'s thread: two models in one process (draft and target
         in-process) then share one OpenMP team instead of throttling each other's."""
-        self._model_thread = other._model_thread
+        if self._owns_thread:
+            self._model_thread.shutdown(wait=False)  # its thread ends once what is queued there has run
+        self._model_thread, self._owns_thread = other._model_thread, False
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         """fn(*args, **kwargs) queued on the model's own thread, without waiting for it (the
-        scheduler's iterations; share_model_thread may replace the thread, so it is read here)."""
-        return self._model_thread.submit(fn, *args, **kwargs)
+        scheduler's iterations; share_model_thread may replace the thread, so it is read here).
+        Raises Unavailable once this runner, or the one whose thread it shares, is closed."""
+        if self.closed:
+            raise Unavailable("the model runner is closed")
+        try:
+            return self._model_thread.submit(fn, *args, **kwargs)
+        except RuntimeError as exc:  # the executor is shut down: the thread's owner was closed
+            raise Unavailable("the model thread has ended (its runner was closed)") from exc
+
+    def close(self) -> None:
+        """Drop every cached session and end the model thread once the work queued on it has run
+        (a thread borrowed by share_model_thread ends with the runner that made it); later calls
+        raise Unavailable. Close the model's scheduler first (StepScheduler.close): its callers
+        are waiting on iterations queued here. Idempotent."""
+        self.closed = True
+        if self._owns_thread:
+            # From the model thread itself (an op closing its runner) waiting would never end.
+            self._model_thread.shutdown(wait=not getattr(_MODEL_THREAD, "active", False))
+        with self._lock:
+            self.cache.clear()
 
     def on_model_thread(self, fn: Callable, *args, **kwargs):
         """fn(*args, **kwargs) run on the model's own thread; returns its result (or raises)."""
-        return self._model_thread.submit(fn, *args, **kwargs).result()
+        return self.submit(fn, *args, **kwargs).result()
 
     def _new_cache(self):
         return new_cache(self.model.config)

@@ -286,6 +286,13 @@ class StaticModelRunner(ModelRunner):
         """The token bucket of a compiled step whose longest run has `longest` new tokens."""
         return next(b for b in self.buckets if b >= longest)
 
+    def close(self) -> None:
+        """`ModelRunner.close`, and the working cache freed."""
+        super().close()
+        with self._lock:
+            self._keys = self._values = None
+            self._rows = [None] * len(self._rows)
+
     # ------------------------------------------------------------ cache entries
 
     def _take_static(self, item: StepItem) -> _Run:

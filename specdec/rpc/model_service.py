@@ -312,6 +312,8 @@ def close_on_stop(grpc_server: GrpcServer, scheduler, grace_s: float) -> threadi
             time.sleep(0.05)
         left = scheduler.queued
         stopped = scheduler.close()
+        if stopped:  # nothing of the scheduler's is queued on the model thread any more
+            scheduler.runner.close()
         log.info(
             "model scheduler closed (%d sequences failed UNAVAILABLE; model thread %s)",
             left,

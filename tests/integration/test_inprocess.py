@@ -59,3 +59,16 @@ def test_without_a_draft_only_k_zero_runs(tiny_model_dirs):
     assert len(target_only.generate([1, 2], max_new_tokens=4, num_speculative_tokens=0).completions[0].token_ids) >= 1
     with pytest.raises(FailedPrecondition, match="no draft"):
         target_only.generate([1, 2], max_new_tokens=4, num_speculative_tokens=2)
+
+
+def test_a_closed_pipeline_frees_its_models_and_refuses_clearly(tiny_model_dirs):
+    from specdec.core.errors import Unavailable
+
+    with InProcessPipeline(tiny_model_dirs["target"], tiny_model_dirs["draft"]) as pipeline:
+        pipeline.generate([1, 2, 3], max_new_tokens=4, num_speculative_tokens=2, ignore_eos=True)
+        runners = (pipeline.target.runner, pipeline.draft.runner)
+        assert all(len(r.cache) > 0 for r in runners)
+    assert all(r.closed and len(r.cache) == 0 for r in runners)
+    with pytest.raises(Unavailable):
+        pipeline.generate([1, 2, 3], max_new_tokens=4, num_speculative_tokens=2, ignore_eos=True)
+    pipeline.close()  # idempotent

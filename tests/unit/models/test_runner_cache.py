@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from specdec.core.tokens import common_prefix_length
@@ -123,3 +124,29 @@ def test_last_logits_and_batch_forward_are_unchanged_by_batched_steps(tiny_loade
     result = runner.last_logits("a", [1, 2, 3, 4, 7], 1)
     assert result.cached_tokens == 4
     torch.testing.assert_close(result.logits, _full_logits(model, [1, 2, 3, 4, 7], 1), atol=1e-5, rtol=1e-5)
+
+
+def test_close_frees_the_cache_and_ends_the_model_thread(tiny_loaded):
+    from specdec.core.errors import Unavailable
+
+    model = tiny_loaded["target"].runner.model
+    owner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+    borrower = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+    borrower.share_model_thread(owner)
+    for runner in (owner, borrower):
+        runner.on_model_thread(runner.last_logits, "s", [1, 2, 3], 1)
+    borrower.close()  # a borrower ends nothing but itself
+    assert len(borrower.cache) == 0 and len(owner.cache) == 1
+    owner.on_model_thread(owner.last_logits, "s", [1, 2, 3, 4], 1)
+    with pytest.raises(Unavailable, match="closed"):
+        borrower.on_model_thread(borrower.last_logits, "s", [1, 2, 3], 1)
+    # Closed from its own model thread (an op closing its runner): returns rather than waiting on itself.
+    owner.on_model_thread(owner.close)
+    owner.close()  # idempotent
+    assert len(owner.cache) == 0
+    with pytest.raises(Unavailable, match="closed"):
+        owner.on_model_thread(owner.last_logits, "s", [1, 2, 3], 1)
+    stranded = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
+    stranded.share_model_thread(owner)  # the owner's thread has ended: clear status, no hang
+    with pytest.raises(Unavailable, match="ended"):
+        stranded.on_model_thread(stranded.last_logits, "s", [1, 2, 3], 1)
