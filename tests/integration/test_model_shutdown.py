@@ -1,4 +1,4 @@
-"""A model service asked to stop (SIGTERM) drains its admitted calls, then closes its scheduler:
+"""A model service asked to stop (SIGTERM) drains its admitted calls, then closes its scheduler and model:
 calls still queued near the end of the grace period fail UNAVAILABLE with a reason, not a hang."""
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def test_a_call_admitted_before_the_stop_completes_then_the_scheduler_closes(tar
     release.set()  # the model thread is free: the call runs
     assert len(call.result(timeout=10).verifications) == 1
     wait_until(lambda: scheduler._closed is not None)  # drained: closed before the grace ends
+    wait_until(lambda: scheduler.runner.closed)  # then the model: its cache and thread freed
+    assert len(scheduler.runner.cache) == 0
     assert stopped.wait(10)
 
 
