@@ -51,7 +51,10 @@ class ModelServerSettings(ServerTlsSettings):
     )
     # Iteration-level batching (specdec.models.scheduler): the sequences of concurrent calls share steps.
     batch_wait_ms: float = setting(
-        2.0, "BATCH_WAIT_MS", "longest a new call waits for other sessions' calls to share its first step (0 = never)"
+        2.0, "BATCH_WAIT_MS", "longest wait for other sessions' calls, due soon, to share a step (0 = never)"
+    )
+    batch_wait_share: float = setting(
+        0.25, "BATCH_WAIT_SHARE", "... or this share of a usual step's time, if longer (in [0, 1])"
     )
     max_batch_tokens: int = setting(
         2048, "MAX_BATCH_TOKENS", "most new tokens in one batched step (a larger single sequence runs alone)"
@@ -106,8 +109,8 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"compile must be auto, on or off (got {self.compile!r}) and static_cache_len >= 1")
         if self.max_draft_tokens < 1 or self.max_batch_sequences < 1 or self.max_workers < 1:
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
-        if not 0 <= self.batch_wait_ms <= 1000 or self.max_batch_tokens < 1:
-            raise ValueError("batch_wait_ms must be in [0, 1000] and max_batch_tokens >= 1")
+        if not 0 <= self.batch_wait_ms <= 1000 or not 0 <= self.batch_wait_share <= 1 or self.max_batch_tokens < 1:
+            raise ValueError("batch_wait_ms must be in [0, 1000], batch_wait_share in [0, 1] and max_batch_tokens >= 1")
         if self.max_queued_sequences < self.max_batch_sequences:
             raise ValueError("max_queued_sequences must be >= max_batch_sequences: every valid call must fit")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
@@ -263,7 +266,12 @@ def observe_kv_cache(registry: Registry, cache, role: str) -> None:
 def scheduler_limits(settings: ModelServerSettings):
     from specdec.models.scheduler import SchedulerLimits
 
-    return SchedulerLimits(settings.batch_wait_ms / 1000, settings.max_batch_tokens, settings.max_queued_sequences)
+    return SchedulerLimits(
+        batch_wait_s=settings.batch_wait_ms / 1000,
+        batch_wait_share=settings.batch_wait_share,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_queued_sequences=settings.max_queued_sequences,
+    )
 
 
 def observe_scheduler(registry: Registry, scheduler, role: str) -> None:

@@ -6,6 +6,7 @@ Draft and target are the tiny random models of conftest (draft and target disagr
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import zlib
@@ -87,14 +88,13 @@ def test_concurrent_calls_share_steps_and_equal_serial_ones(tiny_stack, tiny_loa
 
 
 def test_a_full_scheduler_queue_is_at_capacity_for_the_caller(tiny_stack, tiny_loaded):
-    from specdec.models.scheduler import SchedulerLimits
     from specdec.rpc.errors import REASON_KEY
     from specdec.rpc.metrics import AT_CAPACITY
 
     runner = tiny_loaded["target"].runner
     scheduler = scheduler_for(runner)
     limits = scheduler.limits
-    scheduler.configure(SchedulerLimits(limits.batch_wait_s, limits.max_batch_tokens, max_queued_sequences=2))
+    scheduler.configure(dataclasses.replace(limits, max_queued_sequences=2))
     try:
         with grpc.insecure_channel(tiny_stack.target_address) as t:
             target = target_pb2_grpc.TargetServiceStub(t)

@@ -115,3 +115,13 @@ def test_a_lookup_makes_a_model_draft_hybrid_and_needs_one(capsys):
         with pytest.raises(SystemExit):
             load_settings(DraftSettings, [], env)
         assert message in capsys.readouterr().err
+
+
+def test_the_batching_settings_reach_the_scheduler():
+    from specdec.rpc.model_service import scheduler_limits
+
+    env = {"SPECDEC_TARGET_BATCH_WAIT_MS": "3", "SPECDEC_TARGET_BATCH_WAIT_SHARE": "0.5"}
+    limits = scheduler_limits(load_settings(TargetSettings, ["--max-batch-tokens", "512"], env))
+    assert (limits.batch_wait_s, limits.batch_wait_share, limits.max_batch_tokens) == (0.003, 0.5, 512)
+    with pytest.raises(SystemExit):
+        load_settings(TargetSettings, [], {"SPECDEC_TARGET_BATCH_WAIT_SHARE": "2"})

@@ -25,12 +25,14 @@ class FakeRunner:
         self._model_thread = ThreadPoolExecutor(max_workers=1)
         self.cache = None
         self.steps: list[list[StepItem]] = []
+        self.step_s = 0.0  # how long each step takes
 
     def submit(self, fn, *args):
         return self._model_thread.submit(fn, *args)
 
     def step(self, items):
         self.steps.append(list(items))
+        time.sleep(self.step_s)
         if any(BAD in i.token_ids for i in items):
             raise ValueError("bad token")
         return [LogitsResult(torch.tensor([[float(sum(i.token_ids))]]), 0) for i in items]

@@ -138,6 +138,53 @@ def test_a_session_due_within_the_wait_is_waited_for_and_shares_the_step():
     assert s.stats.company_waits >= 1
 
 
+def two_streams(share: float, rounds: int = 8) -> list[list[str]]:
+    """Streams "a" and "b" (5 ms between their calls) on a model whose steps take 60 ms, "b"
+    starting while a's first step runs; returns the sessions of each step."""
+    runner = FakeRunner()
+    runner.step_s = 0.06
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=WAIT, batch_wait_share=share))
+
+    def stream(name: str) -> None:
+        for _ in range(rounds):
+            s.run([(name, session_task(name))])
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in ("a", "b")]
+    threads[0].start()
+    time.sleep(0.03)
+    threads[1].start()
+    for thread in threads:
+        thread.join(10)
+    return [sorted(step) for step in runner.sessions()]
+
+
+def test_calls_queued_during_a_step_wait_after_it_for_the_streams_it_served():
+    """Without waiting after a step, "b" (queued during a's step) starts the next step alone the
+    moment it ends, just before "a" comes back, and the two alternate for good: every token of
+    each stream costs two steps. Waiting up to a share of a step for the sessions it served
+    merges them."""
+    assert ["a", "b"] not in two_streams(share=0.0)  # the alternation
+    steps = two_streams(share=0.25)  # a 15 ms wait
+    assert steps[2:].count(["a", "b"]) >= len(steps[2:]) - 2, steps
+    assert len(steps) <= 8 + 4, steps
+
+
+def test_the_wait_window_is_a_share_of_the_usual_step_at_least_batch_wait():
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.002, batch_wait_share=0.25))
+    assert s.wait_window() == 0.002  # no step seen yet
+    runner.step_s = 0.04
+    s.run([("a", session_task("a"))])
+    assert 0.0099 <= s.wait_window() < 0.02
+    runner.step_s = 0.0
+    s.run([("a", session_task("a"))])  # one quick step hardly moves the usual step
+    assert s.wait_window() >= 0.008
+    assert StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0)).wait_window() == 0.0  # 0 = never wait
+    with pytest.raises(ValueError):
+        SchedulerLimits(batch_wait_share=1.5)
+
+
 # ---------------------------------------------------------------- close
 
 
