@@ -57,6 +57,9 @@ class GrpcServer:
     # Set by a signal or by a fatal start-up error (e.g. the model failed to load).
     stop_requested: threading.Event = field(default_factory=threading.Event)
     failed: bool = False
+    # Threads that finish a requested stop (a model's close): serve_until_signal waits for them,
+    # since a process that exits with its model still open dies in C++ instead of exiting 0.
+    closers: list[threading.Thread] = field(default_factory=list)
 
     def set_serving(self, serving: bool = True) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -125,6 +128,9 @@ def _add_port(server: grpc.Server, address: str, tls: TlsFiles | None, label: st
     return server.add_secure_port(address, server_credentials(tls))
 
 
+CLOSER_WAIT_S = 10.0  # the longest a stop waits for each closer after the drain
+
+
 def serve_until_signal(grpc_server: GrpcServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> int:
     """Block until SIGTERM/SIGINT, then report NOT_SERVING and drain in-flight calls for `grace_s`.
 
@@ -137,6 +143,8 @@ def serve_until_signal(grpc_server: GrpcServer, grace_s: float, on_stop: Callabl
     log.info("stopping: draining in-flight calls for up to %.1fs", grace_s)
     grpc_server.set_serving(False)
     grpc_server.server.stop(grace_s).wait()
+    for closer in grpc_server.closers:
+        closer.join(CLOSER_WAIT_S)
     if on_stop is not None:
         on_stop()
     return 1 if grpc_server.failed else 0
