@@ -59,6 +59,9 @@ class ModelServerSettings(ServerTlsSettings):
     max_batch_tokens: int = setting(
         2048, "MAX_BATCH_TOKENS", "most new tokens in one batched step (a larger single sequence runs alone)"
     )
+    prefill_chunk_tokens: int = setting(
+        512, "PREFILL_CHUNK_TOKENS", "a prompt's new tokens past this many run over several steps (0 = never split)"
+    )
     max_queued_sequences: int = setting(
         16384,
         "MAX_QUEUED_SEQUENCES",
@@ -111,6 +114,8 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError("max_draft_tokens, max_batch_sequences and max_workers must be >= 1")
         if not 0 <= self.batch_wait_ms <= 1000 or not 0 <= self.batch_wait_share <= 1 or self.max_batch_tokens < 1:
             raise ValueError("batch_wait_ms must be in [0, 1000], batch_wait_share in [0, 1] and max_batch_tokens >= 1")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.max_queued_sequences < self.max_batch_sequences:
             raise ValueError("max_queued_sequences must be >= max_batch_sequences: every valid call must fit")
         if not 1 <= self.max_concurrent_requests < self.max_workers:
@@ -270,6 +275,7 @@ def scheduler_limits(settings: ModelServerSettings):
         batch_wait_s=settings.batch_wait_ms / 1000,
         batch_wait_share=settings.batch_wait_share,
         max_batch_tokens=settings.max_batch_tokens,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
         max_queued_sequences=settings.max_queued_sequences,
     )
 
@@ -330,6 +336,7 @@ def close_on_stop(grpc_server: GrpcServer, scheduler, grace_s: float) -> threadi
 
     thread = threading.Thread(target=watch, name="scheduler-close", daemon=True)
     thread.start()
+    grpc_server.closers.append(thread)
     return thread
 
 

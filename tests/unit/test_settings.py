@@ -121,7 +121,9 @@ def test_the_batching_settings_reach_the_scheduler():
     from specdec.rpc.model_service import scheduler_limits
 
     env = {"SPECDEC_TARGET_BATCH_WAIT_MS": "3", "SPECDEC_TARGET_BATCH_WAIT_SHARE": "0.5"}
-    limits = scheduler_limits(load_settings(TargetSettings, ["--max-batch-tokens", "512"], env))
+    flags = ["--max-batch-tokens", "512", "--prefill-chunk-tokens", "64"]
+    limits = scheduler_limits(load_settings(TargetSettings, flags, env))
     assert (limits.batch_wait_s, limits.batch_wait_share, limits.max_batch_tokens) == (0.003, 0.5, 512)
+    assert limits.prefill_chunk_tokens == 64
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, [], {"SPECDEC_TARGET_BATCH_WAIT_SHARE": "2"})
