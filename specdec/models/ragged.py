@@ -115,10 +115,11 @@ def supports_ragged(model) -> bool:
 
 
 @contextmanager
-def _ragged_attention_on(model) -> Iterator[None]:
+def attention_implementation(model, name: str) -> Iterator[None]:
+    """The model's attention is the registered `name` inside the block (a path's own kernel)."""
     config = model.config
     original = config._attn_implementation
-    config._attn_implementation = RAGGED_ATTENTION
+    config._attn_implementation = name
     try:
         yield
     finally:
@@ -128,7 +129,7 @@ def _ragged_attention_on(model) -> Iterator[None]:
 def ragged_forward(model, batch: RaggedBatch, logits_to_keep: torch.Tensor, want_hidden: bool, **inputs):
     """The model over the flattened batch (`inputs`: input_ids or inputs_embeds, [1, T, ...]),
     extending each segment's cache; logits only at the rows in `logits_to_keep` ([K] indices)."""
-    with _ragged_attention_on(model):
+    with attention_implementation(model, RAGGED_ATTENTION):
         return model(
             **inputs,
             position_ids=batch.position_ids,

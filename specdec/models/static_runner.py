@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.models.ragged import attention_implementation
 from specdec.models.runner import (
     LogitsResult,
     ModelRunner,
@@ -144,17 +144,6 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(SLOT_ATTENTION, slot_attention)
-
-
-@contextmanager
-def _slot_attention_on(model) -> Iterator[None]:
-    config = model.config
-    original = config._attn_implementation
-    config._attn_implementation = SLOT_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = original
 
 
 # ---------------------------------------------------------------- sessions and rows
@@ -418,7 +407,7 @@ class StaticModelRunner(ModelRunner):
         ids, write = ids.to(self.device), write.to(self.device)
         # The mask spans the rows as allocated (max_len may have been lowered since, as tests do).
         inputs = SlotInputs(self._keys, self._values, write, slot_mask(write, self._keys[0].shape[-2]))
-        with _slot_attention_on(self.model), self._threads(ids.numel()):
+        with attention_implementation(self.model, SLOT_ATTENTION), self._threads(ids.numel()):
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # earlier outputs are copied out already
                 self.compiled_forwards += 1
