@@ -25,7 +25,7 @@ from serve_bench import LevelRun, Load, RequestResult
 
 ROW_FIELDS = {
     "type", "k", "load", "concurrency", "request_rate", "max_concurrency", "repeats", "requests", "errors", "repeated_prompts",
-    "error_codes", "tokens", "seconds", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs",
+    "draft_knew_prompts", "error_codes", "tokens", "seconds", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs",
     "per_stream_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
     "itl_ms_p90", "itl_ms_p99", "latency_ms_p50", "acceptance_rate", "tokens_per_round", "base", "ratio_vs_base",
     "ratio_vs_base_min", "ratio_vs_base_max", "ratio_vs_k0",
@@ -246,6 +246,17 @@ def test_every_k_of_a_level_sends_the_same_prompts_and_levels_the_next_ones():
     assert [sorted(order[i : i + 2]) for i in range(0, 8, 2)] == [[0, 1], [2, 3], [0, 4], [1, 2]]
     assert sum(r["repeated_prompts"] for r in rows if r["k"] == 0) == 3  # 8 requests over 5 prompts
     assert len(client.deleted) == len(client.sent)
+
+
+def test_rows_count_drafting_requests_whose_prompt_a_draft_has_seen_at_another_k():
+    """The Ks of a level send the same prompts: whichever drafting K runs later meets a suffix draft
+    that has indexed those prompts' answers (K = 0 sends the draft nothing)."""
+    argv = ["--concurrency", "1", "--ks", "1,auto", "--num-prompts", "2", "--per-workload", "1"]
+    plan = serve_bench.build_plan(serve_bench.parse_args(argv))
+    rows = serve_bench.bench_stack(RecordingClient(), plan)
+    knew = {r["k"]: r["draft_knew_prompts"] for r in rows}
+    assert knew[0] == 0 and sorted([knew[1], knew["auto"]]) == [0, 2], knew
+    assert "an earlier drafting run had sent" in serve_bench.format_table(rows)
 
 
 # ------------------------------------------------------------------ options and the stack's environment
