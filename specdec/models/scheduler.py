@@ -13,9 +13,9 @@ each step of a task; an error fails only the tasks it concerns.
 Before a step, waiting calls wait for company only for sessions whose next call is due within
 the wait: `CompanyForecast` learns each session's usual gap between the end of one call and the
 next (its coordinator's work between rounds, the other pool's call) and forgets a session that
-is overdue or did not come when it was waited for (its stream ended). The wait runs from the
-later of the oldest waiting call's arrival and the end of the previous step, for `batch_wait_s`
-or `batch_wait_share` of a usual step, whichever is longer. Why after a step too: streams that
+is overdue or did not come when it was waited for (its stream ended). The wait ends
+`batch_wait_s` after the oldest waiting call's arrival or `batch_wait_share` of a usual step
+after the previous step ended, whichever is later. Why after a step too: streams that
 arrive while a step runs would otherwise start the next step alone the moment it ends, just
 before the streams that step served come back, and the two groups alternate for good (measured
 through the served stack, 8 streams on 2 CPU cores: 4.3 sequences a step instead of 7-8, each
@@ -71,8 +71,8 @@ STEP_GAIN = 0.125
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    batch_wait_s: float = 0.002  # longest wait for company before a step (at least)
-    # ... or this share of a usual step's seconds, if longer: a step that costs 100+ ms (a CPU)
+    batch_wait_s: float = 0.002  # longest a call waits for company from its arrival (0 = never)
+    # ... and after a step, this share of a usual step's seconds: a step that costs 100+ ms (a CPU)
     # makes a few ms' wait for the streams it just served cheap, and merging them worth it.
     batch_wait_share: float = 0.25
     # A prompt's new tokens past this many run over several steps (chunked prefill), so one
@@ -321,25 +321,26 @@ class StepScheduler:
         finally:
             self._reschedule()
 
-    def wait_window(self) -> float:
-        """Seconds the waiting calls may wait for company before a step (model thread)."""
-        if self.limits.batch_wait_s <= 0:
-            return 0.0
-        return max(self.limits.batch_wait_s, self.limits.batch_wait_share * self._step_s)
+    def wait_until(self, oldest_arrival: float) -> float | None:
+        """When calls waiting since `oldest_arrival` stop waiting for company (time.monotonic()):
+        batch_wait_s after that arrival, or batch_wait_share of a usual step after the last step
+        ended, whichever is later, so a wait after a step costs at most that share of one (a
+        fixed floor there would halve a 2 ms step's throughput). None: never wait."""
+        limits = self.limits
+        if limits.batch_wait_s <= 0:
+            return None
+        return max(oldest_arrival + limits.batch_wait_s, self._step_ended + limits.batch_wait_share * self._step_s)
 
     def _wait_for_company(self) -> None:
-        """Wait (at most the wait window after the oldest waiting task arrived or the last
-        step ended, whichever is later) while a session whose next call is due by then is
-        absent: a stream between two rounds."""
-        wait_s = self.wait_window()
-        if wait_s <= 0:
-            return
+        """Wait (until `wait_until`) while a session whose next call is due by then is absent:
+        a stream between two rounds."""
         with self._cond:
             waiting = self._tasks or self._incoming  # both lists are oldest first
-            if not waiting:
+            until = self.wait_until(waiting[0].admitted_at) if waiting else None
+            if until is None:
                 return
-            until = max(waiting[0].admitted_at, self._step_ended) + wait_s
-            expected = self._company.expected(time.monotonic(), until, wait_s)
+            slack = max(self.limits.batch_wait_s, self.limits.batch_wait_share * self._step_s)
+            expected = self._company.expected(time.monotonic(), until, slack)
             waited = False
             while expected and self._closed is None:
                 expected -= {t.session_id for t in self._tasks} | {t.session_id for t in self._incoming}

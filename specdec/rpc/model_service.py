@@ -51,10 +51,10 @@ class ModelServerSettings(ServerTlsSettings):
     )
     # Iteration-level batching (specdec.models.scheduler): the sequences of concurrent calls share steps.
     batch_wait_ms: float = setting(
-        2.0, "BATCH_WAIT_MS", "longest wait for other sessions' calls, due soon, to share a step (0 = never)"
+        2.0, "BATCH_WAIT_MS", "longest a call waits from its arrival for sessions due soon to share a step (0 = never)"
     )
     batch_wait_share: float = setting(
-        0.25, "BATCH_WAIT_SHARE", "... or this share of a usual step's time, if longer (in [0, 1])"
+        0.25, "BATCH_WAIT_SHARE", "... and after a step, at most this share of a usual step's time (in [0, 1])"
     )
     max_batch_tokens: int = setting(
         2048, "MAX_BATCH_TOKENS", "most new tokens in one batched step (a larger single sequence runs alone)"

@@ -170,17 +170,20 @@ def test_calls_queued_during_a_step_wait_after_it_for_the_streams_it_served():
     assert len(steps) <= 8 + 4, steps
 
 
-def test_the_wait_window_is_a_share_of_the_usual_step_at_least_batch_wait():
+def test_a_wait_ends_batch_wait_after_arrival_or_a_share_of_a_step_after_the_last_one():
     runner = FakeRunner()
     s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.002, batch_wait_share=0.25))
-    assert s.wait_window() == 0.002  # no step seen yet
+    assert s.wait_until(5.0) == 5.002  # no step seen yet
     runner.step_s = 0.04
     s.run([("a", session_task("a"))])
-    assert 0.0099 <= s.wait_window() < 0.02
+    ended = s._step_ended
+    assert 0.0099 <= s.wait_until(0.0) - ended < 0.02  # a quarter of a 40 ms step after it ended
+    assert s.wait_until(ended + 1.0) == ended + 1.002  # a call arriving long after: its own 2 ms
     runner.step_s = 0.0
-    s.run([("a", session_task("a"))])  # one quick step hardly moves the usual step
-    assert s.wait_window() >= 0.008
-    assert StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0)).wait_window() == 0.0  # 0 = never wait
+    for _ in range(40):  # steps of ~0 ms: no wait after them beyond a call's own 2 ms
+        s.run([("a", session_task("a"))])
+    assert s.wait_until(s._step_ended) - s._step_ended < 0.0025
+    assert StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0)).wait_until(1.0) is None  # 0 = never wait
     with pytest.raises(ValueError):
         SchedulerLimits(batch_wait_share=1.5)
 
