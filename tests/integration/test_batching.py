@@ -29,8 +29,23 @@ PREFIXES = [[3, 1, 4], [2, 7], [5, 5, 5, 1, 2, 6], [1], [6, 2, 3, 4], [7, 7, 1]]
 
 
 def _hold(runner, seconds: float) -> threading.Thread:
-    """Occupy the model's thread, so that the calls made meanwhile queue and share a step."""
+    """Occupy the model's thread for `seconds`: calls made meanwhile queue."""
     thread = threading.Thread(target=runner.on_model_thread, args=(time.sleep, seconds))
+    thread.start()
+    time.sleep(0.05)
+    return thread
+
+
+def _hold_until_queued(runner, calls: int, timeout_s: float = 20.0) -> threading.Thread:
+    """Occupy the model's thread until `calls` sequences have queued (not a fixed time: on a busy
+    machine six calls took longer than 0.45 s to arrive), so that they share a step."""
+
+    def hold() -> None:
+        until = time.monotonic() + timeout_s
+        while scheduler_for(runner).queued < calls and time.monotonic() < until:
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=runner.on_model_thread, args=(hold,))
     thread.start()
     time.sleep(0.05)
     return thread
@@ -68,7 +83,7 @@ def test_concurrent_calls_share_steps_and_equal_serial_ones(tiny_stack, tiny_loa
     ):
         draft, target = draft_pb2_grpc.DraftServiceStub(d), target_pb2_grpc.TargetServiceStub(t)
         serial = [_rounds(draft, target, f"serial-{i}", p, 100 + i) for i, p in enumerate(PREFIXES)]
-        holds = [_hold(r, 0.5) for r in runners]
+        holds = [_hold_until_queued(r, len(PREFIXES)) for r in runners]
         with ThreadPoolExecutor(len(PREFIXES)) as pool:
             batched = list(
                 pool.map(lambda a: _rounds(draft, target, f"batched-{a[0]}", a[1], 100 + a[0]), enumerate(PREFIXES))
