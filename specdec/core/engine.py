@@ -21,7 +21,15 @@ from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import InconsistentDraftError, ServiceError
 from specdec.core.hidden import HiddenStateRelay
 from specdec.core.kpolicy import AdaptiveK, FixedK, RoundOutcome
-from specdec.core.protocols import Deadline, Drafter, DraftProposal, DraftRequest, Verifier, VerifyRequest
+from specdec.core.protocols import (
+    Deadline,
+    Drafter,
+    DraftProposal,
+    DraftRequest,
+    Verifier,
+    VerifyRequest,
+    VerifyResult,
+)
 from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
 from specdec.core.text import Decode, stop_point
 
@@ -180,6 +188,18 @@ def checked_draft(proposal: DraftProposal, k: int) -> _Draft:
     return _Draft(tokens, probs)
 
 
+def _step_share(requests: list[VerifyRequest], results: list[VerifyResult]) -> tuple[int, int, int, float]:
+    """(other requests' sequences, the step's rows, this request's rows, the step's seconds) of the
+    batched forward a Verify's sequences ran in (the largest, should they have been split)."""
+    step = max(results, key=lambda r: (r.step_rows, r.step_sequences))
+    own_rows = sum(
+        len(q.prefix_token_ids) + len(q.draft_token_ids) - r.cached_tokens
+        for q, r in zip(requests, results, strict=True)
+    )
+    others = max(0, step.step_sequences - len(results))
+    return others, step.step_rows, min(own_rows, step.step_rows), step.step_s
+
+
 class SpeculativeEngine:
     """`health`: the draft pool's, shared by every request (by default the drafter's own, as a
     DraftClient keeps one): while the draft is down, rounds run at K = 0 instead of failing."""
@@ -209,12 +229,10 @@ class SpeculativeEngine:
             drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline)
             if drafts is None:  # the draft failed or is backing off: this round is target-only
                 k, drafts = 0, [_Draft() for _ in running]
-            event, verify_s, results, others = self._verify(
-                verifier, spec, running, drafts, round_index, stats, deadline
-            )
+            event, verify_s, results, step = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
             counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
             rows = 1 + max(drafted for drafted, _ in counts)
-            policy.observe(RoundOutcome(k, draft_s, verify_s, rows, counts, others))
+            policy.observe(RoundOutcome(k, draft_s, verify_s, rows, counts, *step))
             yield event
             round_index += 1
 
@@ -296,9 +314,10 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-    ) -> tuple[RoundEvent, float, list[RoundResult], int]:
-        """The round's event, the seconds the Verify took, each sample's round result, and how many
-        other requests' sequences shared its batched forward."""
+    ) -> tuple[RoundEvent, float, list[RoundResult], tuple[int, int, int, float]]:
+        """The round's event, the seconds the Verify took, each sample's round result, and the
+        batched forward it ran in as the K policy reads it: (other requests' sequences, the
+        step's rows, this request's rows in it, the step's seconds)."""
         requests = [
             VerifyRequest(spec.sample_cache_key(s.index), list(s.context), drafts[i].tokens, sequence=s.index)
             for i, s in enumerate(running)
@@ -322,8 +341,7 @@ class SpeculativeEngine:
             stats.count(len(drafts[i].tokens), result)
             outcomes.append(result)
             new_tokens[sample.index] = self._append(spec, sample, result.tokens)
-        others = max(0, max(r.step_sequences for r in results) - len(running))
-        return RoundEvent(round_index, new_tokens), verify_s, outcomes, others
+        return RoundEvent(round_index, new_tokens), verify_s, outcomes, _step_share(requests, results)
 
     @staticmethod
     def _target_laws(draft: _Draft, target_probs: np.ndarray) -> np.ndarray:

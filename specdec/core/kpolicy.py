@@ -10,9 +10,18 @@ under a weak prior that leans on position i - 1), c_draft the measured draft cos
 token, verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated
 from the nearest measured one, scaled by the target's forward-cost curve (what the target service
 measured at start, `ModelInfo.forward_cost_ms`); without a curve, the 1-row cost times a default
-factor, never below a measured shorter length. It reads only past rounds' outcomes and
-timings, so the output law stays exactly the target's: every round is lossless for any K fixed
-before it starts. No randomness: the same history gives the same choices (timings differ from
+factor, never below a measured shorter length.
+
+In a batch (the target reports each Verify's whole step: its rows and its forward's seconds) the
+cost that matters is the shared step's: K draft rows lengthen a step that carries the others'
+rows too. The policy fits the step's seconds as a line in its total rows (the slope from the
+steps' spread in rows, shrunk toward the curve's; queueing averaged apart, as it does not grow
+with rows), prices K at the others' rows + its own, and counts the others' tokens at their mean
+verify length under its own acceptance: drafting pays only if its gain beats what its rows cost
+the whole step.
+
+It reads only past rounds' outcomes and timings, so the output law stays exactly the target's:
+every round is lossless for any K fixed before it starts. No randomness: the same history gives the same choices (timings differ from
 run to run, so an auto-K request's tokens may too; its law does not).
 """
 
@@ -32,9 +41,17 @@ class RoundOutcome:
     rows: int  # rows verified: the longest draft of the round + 1
     drafts: Sequence[tuple[int, int]]  # per sample: (tokens drafted, tokens accepted)
     others: int = 0  # other requests' sequences in the Verify's batched forward
+    step_rows: int = 0  # new rows of that whole forward, this request's included (0: not reported)
+    own_rows: int = 0  # of which this request's sequences ran
+    step_s: float = 0.0  # seconds of that forward, without queueing or transport (0: not reported)
 
 
 OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: streams come and go
+# Others' rows per sequence beyond any Verify's: a prompt's forward shared the step. Its cost is
+# not the others' usual step, and no K of this request changes it: such rounds teach nothing.
+PREFILL_ROWS_PER_SEQUENCE = 17
+SLOPE_PRIOR_ROWS2 = 4.0  # the curve's slope weighs as much as steps spread this much (rows^2)
+MIN_STEP_SHARE = 0.2  # a step never costs less than this share of the measured ones' mean
 
 
 class FixedK:
@@ -92,6 +109,11 @@ class AdaptiveK:
         self.zero_streak = 0  # consecutive rounds the model chose K = 0
         self.own = 1  # this request's sequences per round
         self.others = 0.0  # smoothed: other requests' sequences sharing its Verify forwards
+        self.others_rows = 0.0  # smoothed: their rows (0 while the target reports no step rows)
+        self.step_sum: dict[int, float] = {}  # a step's total rows -> summed forward seconds
+        self.step_count: dict[int, int] = {}
+        self.queue_s = 0.0  # summed seconds of Verifies beyond their step (queueing, transport)
+        self.queue_count = 0
 
     # ------------------------------------------------------------ the model
 
@@ -104,7 +126,11 @@ class AdaptiveK:
         return rates
 
     def verify_cost(self, rows: int) -> float:
-        """Seconds of a Verify of `rows` rows: measured, else estimated from measured ones."""
+        """Seconds of a Verify of `rows` rows per sequence: alone, measured, else estimated from
+        measured ones; in company, the queueing plus the shared step at the others' rows + ours."""
+        if self.step_count and (self._in_company() or not self.verify_count):
+            total = round(self.others_rows) + self.own * rows
+            return self.queue_s / max(1, self.queue_count) + self.step_cost(total)
         measured = {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
         if rows in measured:
             return measured[rows]
@@ -119,11 +145,43 @@ class AdaptiveK:
         shorter = [cost for r, cost in measured.items() if r < rows]
         return max([one * self.default_verify_factor, *shorter])
 
+    def _in_company(self) -> bool:
+        return self.others_rows >= 0.5  # the target reports step rows, and others share them
+
+    def step_cost(self, total: int) -> float:
+        """Seconds of a step's forward over `total` rows: a line through the measured steps, its
+        slope per row learned from their spread in rows and shrunk toward the curve's (at their
+        mean, scaled to their seconds; without a curve, seconds in proportion to rows)."""
+        count = sum(self.step_count.values())
+        mean_rows = sum(r * n for r, n in self.step_count.items()) / count
+        mean_s = sum(self.step_sum.values()) / count
+        spread = sum(n * (r - mean_rows) ** 2 for r, n in self.step_count.items())
+        covariance = sum((r - mean_rows) * seconds for r, seconds in self.step_sum.items())
+        slope = (covariance + SLOPE_PRIOR_ROWS2 * self._prior_slope(mean_rows, mean_s)) / (spread + SLOPE_PRIOR_ROWS2)
+        return max(mean_s * MIN_STEP_SHARE, mean_s + max(0.0, slope) * (total - mean_rows))
+
+    def _prior_slope(self, rows: float, seconds: float) -> float:
+        """Seconds per row at `rows`, by the curve's shape, for steps of `seconds` there."""
+        if len(self.verify_curve) < 2:
+            return seconds / rows
+        r = max(2, round(rows))
+        return seconds * (self._curve_at(r + 1) - self._curve_at(r - 1)) / 2 / self._curve_at(r)
+
+    def _curve_at(self, rows: int) -> float:
+        curve, n = self.verify_curve, len(self.verify_curve)
+        if rows <= n:
+            return curve[rows - 1]
+        half = n // 2  # the slope of the curve's upper half: past calibration, rows cost about that
+        slope = max(0.0, (curve[-1] - curve[half - 1]) / (n - half))
+        return curve[-1] + slope * (rows - n)
+
     def draft_cost(self) -> float:
-        """Seconds per drafted token: measured, else a default fraction of a 1-row Verify."""
+        """Seconds per drafted token: measured, else a default fraction of a 1-row Verify (in
+        company, of this request's share of the step: the whole step is not what one draft costs)."""
         if self.draft_steps:
             return self.draft_s / self.draft_steps
-        return self.default_draft_ratio * self.verify_cost(1)
+        share = 1 + self.others if self._in_company() else 1
+        return self.default_draft_ratio * self.verify_cost(1) / share
 
     def tokens_per_second(self) -> list[float]:
         """[K = 0..k_max]: expected tokens per second of the Verify forward under the current
@@ -131,12 +189,19 @@ class AdaptiveK:
         (each gains at least its one token a step). Alone, that is this request's own speed; in a
         batch, drafting pays only if its gain beats what its extra rows cost the whole step."""
         rates, draft = self.acceptance(), self.draft_cost()
-        expected, run, out = 1.0, 1.0, []
+        expected, run = [1.0], 1.0  # [K]: expected tokens of a sequence drafting K
+        for rate in rates:
+            run *= rate
+            expected.append(expected[-1] + run)
+        others = self.others
+        if self._in_company() and self.others >= 1:  # the others draft too: as this request accepts
+            mean_k = min(float(self.k_max), max(0.0, self.others_rows / self.others - 1))
+            low = int(mean_k)
+            high = min(low + 1, self.k_max)
+            others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
+        out = []
         for k in range(self.k_max + 1):
-            if k:
-                run *= rates[k - 1]
-                expected += run
-            step_tokens = self.own * expected + self.others
+            step_tokens = self.own * expected[k] + others
             out.append(step_tokens / (k * draft + self.verify_cost(k + 1) + self.overhead_s))
         return out
 
@@ -158,7 +223,12 @@ class AdaptiveK:
 
     def observe(self, outcome: RoundOutcome) -> None:
         self.own = max(1, len(outcome.drafts))
-        self.others += OTHERS_SMOOTHING * (outcome.others - self.others)
+        others_rows = max(0, outcome.step_rows - outcome.own_rows)
+        prefill = others_rows > PREFILL_ROWS_PER_SEQUENCE * max(1, outcome.others)
+        if not prefill:
+            self.others += OTHERS_SMOOTHING * (outcome.others - self.others)
+            if outcome.step_rows:
+                self.others_rows += OTHERS_SMOOTHING * (others_rows - self.others_rows)
         if self.rounds >= 2:  # rounds 0 and 1 are fixed, not the model's choices
             self.zero_streak = self.zero_streak + 1 if outcome.k == 0 else 0
         for drafted, accepted in outcome.drafts:
@@ -171,6 +241,13 @@ class AdaptiveK:
             if steps:
                 self.draft_s += outcome.draft_s
                 self.draft_steps += steps
-            self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
-            self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1
+            if not outcome.others or not outcome.step_rows:  # the Verify's own cost at its length
+                self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
+                self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1
+            if outcome.step_rows and outcome.step_s > 0 and not prefill:
+                total = outcome.step_rows
+                self.step_sum[total] = self.step_sum.get(total, 0.0) + outcome.step_s
+                self.step_count[total] = self.step_count.get(total, 0) + 1
+                self.queue_s += max(0.0, outcome.verify_s - outcome.step_s)
+                self.queue_count += 1
         self.rounds += 1

@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdec.core.errors import AtCapacity, Unavailable
@@ -528,7 +528,18 @@ def step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:
     """`runner.step` over the cached items, and the uncached ones (session "") in one padded
     `runner.batch_forward`: a ragged step runs attention sequence by sequence, so hundreds of
     short uncached samples (num_samples) ran 14x slower there than padded (200 x 5 tokens, tiny
-    model). Both give each item what `last_logits` gives it alone, up to float noise."""
+    model). Both give each item what `last_logits` gives it alone, up to float noise.
+
+    Each result also says what the whole step carried and cost (items, new rows, seconds): a
+    caller's K policy weighs its own rows against them."""
+    started = time.perf_counter()
+    results = _step_items(runner, items)
+    seconds = time.perf_counter() - started
+    rows = sum(len(item.token_ids) - r.cached_tokens for item, r in zip(items, results, strict=True))
+    return [replace(r, step_sequences=len(items), step_rows=rows, step_s=seconds) for r in results]
+
+
+def _step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:
     uncached = [i for i, item in enumerate(items) if not item.session_id]
     if len(uncached) < 2:
         return list(runner.step(items))

@@ -378,3 +378,16 @@ def test_a_point_mass_draft_is_accepted_with_probability_p_and_recovers_from_p_w
 )
 def test_a_bad_point_mass_proposal_makes_the_round_target_only(tokens, message, caplog):
     _assert_round_runs_at_k0(PointMassDrafter(lambda r: tokens), message, caplog)
+
+
+def test_a_verify_reports_its_step_to_the_k_policy_with_this_requests_rows_apart():
+    from specdec.core.engine import _step_share
+    from specdec.core.protocols import VerifyRequest
+
+    requests = [VerifyRequest("a", [1, 2, 3, 4], [5, 6]), VerifyRequest("b", [1, 2, 3, 4], [5])]
+    laws = np.full((3, V), 1 / V, dtype=np.float32)
+    results = [VerifyResult(laws, 3, None, 9, 20, 0.3), VerifyResult(laws[:2], 3, None, 9, 20, 0.3)]
+    # 9 sequences in the step, 2 of them ours; ours ran (6 - 3) + (5 - 3) new rows of its 20.
+    assert _step_share(requests, results) == (7, 20, 5, 0.3)
+    alone = [VerifyResult(laws, 3), VerifyResult(laws[:2], 3)]  # a target that reports no step
+    assert _step_share(requests, alone) == (0, 0, 0, 0.0)

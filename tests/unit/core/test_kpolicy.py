@@ -160,3 +160,61 @@ def test_drafting_that_pays_alone_stops_in_a_batch_where_its_rows_slow_everyone(
     batched = _play_in_batch(AdaptiveK(4), 60, others=7)
     assert all(k > 0 for k in alone[10:])
     assert batched[10:].count(0) >= 40  # of 50: the others are probes and what a probe makes it try
+
+
+def _play_in_reported_batch(
+    policy: AdaptiveK, rounds: int, others: int, base_s: float, row_s: float, queue_s: float = 0.0
+) -> list[int]:
+    """As _play_in_batch, but the target reports the step: `others` sequences decoding 1 row each,
+    the forward costing base_s + row_s per row of the step, and the Verify waiting queue_s more."""
+    import random
+
+    rng, chosen = random.Random(0), []
+    for _ in range(rounds):
+        k = policy.choose()
+        chosen.append(k)
+        accepted = next((i for i in range(k) if rng.random() >= 0.6), k)
+        rows = others + k + 1
+        step_s = base_s + row_s * rows
+        outcome = RoundOutcome(k, k * 0.001, step_s + queue_s, k + 1, [(k, accepted)], others, rows, k + 1, step_s)
+        policy.observe(outcome)
+    return chosen
+
+
+def test_in_a_reported_batch_k_follows_what_a_row_costs_the_shared_step():
+    # Rows dear (a CPU: 8 rows cost 4x one): K=1's 0.6 more tokens of 8 cost 0.03 s more of a 0.29 s
+    # step; its gain (7%) is below the cost (10%). Rows cheap (a GPU's step): drafting pays.
+    dear_curve = tuple(0.05 + 0.03 * r for r in range(1, 10))
+    cheap_curve = tuple(0.2 + 0.001 * r for r in range(1, 10))
+    dear = _play_in_reported_batch(AdaptiveK(4, verify_curve=dear_curve), 60, 7, 0.05, 0.03)
+    cheap = _play_in_reported_batch(AdaptiveK(4, verify_curve=cheap_curve), 60, 7, 0.2, 0.001)
+    assert dear[10:].count(0) >= 45  # of 50: the others are probes
+    assert all(k > 0 for k in cheap[10:])
+
+
+def test_queueing_is_learned_apart_from_the_step_and_does_not_scale_with_rows():
+    # A long wait for the step adds the same to every K: with the step itself nearly flat in rows,
+    # drafting still pays (priced as whole Verifies, the wait would look like dear rows).
+    curve = tuple(1.0 + 0.01 * r for r in range(1, 10))
+    chosen = _play_in_reported_batch(AdaptiveK(4, verify_curve=curve), 40, 7, 0.1, 0.001, queue_s=0.5)
+    assert all(k > 0 for k in chosen[10:])
+
+
+def test_a_step_that_carried_a_prompt_teaches_nothing():
+    policy = AdaptiveK(4)
+    policy.observe(RoundOutcome(2, 0.0, 9.0, 3, [(2, 2)], 1, 400, 300, 8.0))  # round 0, its own prompt
+    policy.observe(RoundOutcome(0, 0.0, 0.2, 1, [(0, 0)], 3, 4, 1, 0.1))
+    policy.observe(RoundOutcome(0, 0.0, 5.0, 1, [(0, 0)], 3, 500, 1, 4.9))  # another's prompt in the step
+    assert policy.step_count == {4: 1}
+    assert abs(policy.others_rows - 0.3 * 3) < 1e-9
+
+
+def test_the_others_tokens_are_counted_at_their_verify_length():
+    # Others drafting 3 each (4 rows per sequence) make ~1 + a + a^2 + a^3 tokens a step, not 1:
+    # what this request's extra rows slow down is worth that much more.
+    policy = AdaptiveK(3, prior_acceptance=0.5, prior_weight=1e9)
+    policy.others, policy.others_rows = 2.0, 8.0
+    policy.step_sum, policy.step_count = {9: 0.9, 10: 1.0}, {9: 1, 10: 1}
+    speeds = policy.tokens_per_second()
+    assert abs(speeds[0] - (1 + 2 * 1.875) / 0.9) < 1e-9
+    assert abs(speeds[1] - (1.5 + 2 * 1.875) / (0.001 * 0 + policy.draft_cost() + 1.0)) < 1e-9
