@@ -184,10 +184,11 @@ class AdaptiveK:
         return self.default_draft_ratio * self.verify_cost(1) / share
 
     def tokens_per_second(self) -> list[float]:
-        """[K = 0..k_max]: expected tokens per second of the Verify forward under the current
-        estimates: this request's sequences, and the other requests' sequences batched with them
-        (each gains at least its one token a step). Alone, that is this request's own speed; in a
-        batch, drafting pays only if its gain beats what its extra rows cost the whole step."""
+        """[K = 0..k_max]: expected tokens per second under the current estimates: this request's
+        (its tokens over its draft and its Verify), plus the other requests' sequences batched with
+        it (their tokens over the Verify alone: they do not wait for this request's draft, but its
+        rows lengthen their step). Alone, that is this request's own speed; in a batch, drafting
+        pays only if its gain beats what its extra rows cost the whole step."""
         rates, draft = self.acceptance(), self.draft_cost()
         expected, run = [1.0], 1.0  # [K]: expected tokens of a sequence drafting K
         for rate in rates:
@@ -201,8 +202,9 @@ class AdaptiveK:
             others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
         out = []
         for k in range(self.k_max + 1):
-            step_tokens = self.own * expected[k] + others
-            out.append(step_tokens / (k * draft + self.verify_cost(k + 1) + self.overhead_s))
+            verify = self.verify_cost(k + 1) + self.overhead_s
+            own = self.own * expected[k] / (k * draft + verify)
+            out.append(own + (others / verify if others else 0.0))  # the others do not wait for our draft
         return out
 
     # ------------------------------------------------------------ the policy
