@@ -241,8 +241,10 @@ def test_every_k_of_a_level_sends_the_same_prompts_and_levels_the_next_ones():
     warm, measured = client.sent[:2], client.sent[2:]
     assert {p for p, _, _ in warm} == {plan.prompts[-1]}
     by_k = {k: sorted((p, seed) for p, seed, kk in measured if kk == k) for k in (0, None)}
-    assert by_k[0] == by_k[None]  # same prompts and seeds at K=0 and auto
-    order = [plan.prompts.index(p) for p, _, k in measured if k == 0]  # 2 levels of 2 requests, twice
+    # The same prompts and seeds at K=0 and auto, each K's behind its own opening (no prefill reuse).
+    assert all(p.startswith("(1) ") for p, _ in by_k[0]) and all(p.startswith("(2) ") for p, _ in by_k[None])
+    assert [(p[4:], seed) for p, seed in by_k[0]] == [(p[4:], seed) for p, seed in by_k[None]]
+    order = [plan.prompts.index(p[4:]) for p, _, k in measured if k == 0]  # 2 levels of 2 requests, twice
     assert [sorted(order[i : i + 2]) for i in range(0, 8, 2)] == [[0, 1], [2, 3], [0, 4], [1, 2]]
     assert sum(r["repeated_prompts"] for r in rows if r["k"] == 0) == 3  # 8 requests over 5 prompts
     assert len(client.deleted) == len(client.sent)
