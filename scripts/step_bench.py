@@ -4,8 +4,9 @@ Loads the default target (specdec.models.sources.DEFAULT_MODEL) as the target se
 (`load_model`: calibrated matmul layouts, the thread governor), gives each of 16 sessions a cached
 prefix of --context random tokens, then per repeat, interleaved so that drift hits both alike:
 
-  step N x 1      one `step` of N sessions each decoding 1 token after its prefix (N = --sizes)
-  loop N x 1      the same items as N `last_logits` calls one after the other
+  step N x R      one `step` of N sessions each running R new tokens after its prefix, all R
+                  rows' logits kept, as a Verify of K = R - 1 (N = --sizes, R = --rows; 1: decode)
+  loop N x R      the same items as N `last_logits` calls one after the other
   mixed           4 decodes + 4 verifies of 5 new tokens (num_last = 5) as one step, and looped
 
 Every item rolls back to its prefix (the new tokens differ each repeat), so every repeat runs the
@@ -17,6 +18,7 @@ seen relative to that item's largest |logit|, a check that the step computed the
 
   python scripts/step_bench.py                       sizes 1,2,4,8,16, 300 cached tokens, 10 repeats
   python scripts/step_bench.py --sizes 8 --repeats 30 --threads 2
+  python scripts/step_bench.py --sizes 1,8 --rows 1,2,3,5     what a batch's Verify rows cost
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def _report(name: str, tokens: int, runs: list[tuple[float, float, float]]) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,2,4,8,16", help="sessions per decode step")
+    parser.add_argument("--rows", default="1", help="new tokens per session (R - 1 = a Verify's K)")
     parser.add_argument("--context", type=int, default=300, help="cached tokens per session")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the governor chooses, as served)")
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    shapes = [(n, int(r)) for n in sizes for r in args.rows.split(",")]
     if max(sizes) > SESSIONS:
         parser.error(f"at most {SESSIONS} sessions per step")
 
@@ -126,20 +130,20 @@ def main() -> None:
     bench = Bench(runner, args.context, args.seed)
     print(f"loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s; ragged: {runner._ragged_ok()}")
     for first in (True, False):  # warm every shape once
-        for n in sizes:
-            bench.compare(bench.items(n, 1, 1), first)
+        for n, r in shapes:
+            bench.compare(bench.items(n, r, r), first)
         bench.compare(bench.items(4, 1, 1) + bench.items(4, 5, 5, start=4), first)
-    decode: dict[int, list] = {n: [] for n in sizes}
+    decode: dict[tuple[int, int], list] = {shape: [] for shape in shapes}
     mixed: list = []
     for rep in range(args.repeats):
-        for n in sizes:
-            decode[n].append(bench.compare(bench.items(n, 1, 1), rep % 2 == 0))
+        for n, r in shapes:
+            decode[(n, r)].append(bench.compare(bench.items(n, r, r), rep % 2 == 0))
         mixed.append(bench.compare(bench.items(4, 1, 1) + bench.items(4, 5, 5, start=4), rep % 2 == 1))
 
     header = f"{'step ms':>9} {'loop ms':>9} {'step rows/s':>11} {'loop rows/s':>11}   speedup [IQR]  fastest   max rel |diff|"
     print(f"\n{'':<16} {header}")
-    for n in sizes:
-        _report(f"{n} x 1 decode", n, decode[n])
+    for (n, r), runs in decode.items():
+        _report(f"{n} x {r} " + ("decode" if r == 1 else "verify"), n * r, runs)
     _report("4x1 + 4x5 mixed", 4 + 4 * 5, mixed)
     threads = runner.on_model_thread(torch.get_num_threads)
     print(

@@ -30,7 +30,7 @@ def verify_task(request: VerifyRequest) -> Task:
         hidden_from=request.hidden_from,
     )
     hidden = result.hidden.numpy() if result.hidden is not None else None  # [len - hidden_from, H]
-    return VerifyResult(probs, result.cached_tokens, hidden, result.step_sequences, result.step_rows, result.step_s)
+    return VerifyResult(probs, result.cached_tokens, hidden, result.step_sequences, result.step_rows)
 
 
 def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple[np.ndarray, LogitsResult]]]:

@@ -188,16 +188,16 @@ def checked_draft(proposal: DraftProposal, k: int) -> _Draft:
     return _Draft(tokens, probs)
 
 
-def _step_share(requests: list[VerifyRequest], results: list[VerifyResult]) -> tuple[int, int, int, float]:
-    """(other requests' sequences, the step's rows, this request's rows, the step's seconds) of the
-    batched forward a Verify's sequences ran in (the largest, should they have been split)."""
+def _step_share(requests: list[VerifyRequest], results: list[VerifyResult]) -> tuple[int, int, int]:
+    """(other requests' sequences, the step's rows, this request's rows in it) of the batched
+    forward a Verify's sequences ran in (the largest, should they have been split)."""
     step = max(results, key=lambda r: (r.step_rows, r.step_sequences))
     own_rows = sum(
         len(q.prefix_token_ids) + len(q.draft_token_ids) - r.cached_tokens
         for q, r in zip(requests, results, strict=True)
     )
     others = max(0, step.step_sequences - len(results))
-    return others, step.step_rows, min(own_rows, step.step_rows), step.step_s
+    return others, step.step_rows, min(own_rows, step.step_rows)
 
 
 class SpeculativeEngine:
@@ -314,10 +314,9 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-    ) -> tuple[RoundEvent, float, list[RoundResult], tuple[int, int, int, float]]:
+    ) -> tuple[RoundEvent, float, list[RoundResult], tuple[int, int, int]]:
         """The round's event, the seconds the Verify took, each sample's round result, and the
-        batched forward it ran in as the K policy reads it: (other requests' sequences, the
-        step's rows, this request's rows in it, the step's seconds)."""
+        batched forward it ran in as the K policy reads it (`_step_share`)."""
         requests = [
             VerifyRequest(spec.sample_cache_key(s.index), list(s.context), drafts[i].tokens, sequence=s.index)
             for i, s in enumerate(running)

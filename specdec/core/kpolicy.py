@@ -12,13 +12,13 @@ from the nearest measured one, scaled by the target's forward-cost curve (what t
 measured at start, `ModelInfo.forward_cost_ms`); without a curve, the 1-row cost times a default
 factor, never below a measured shorter length.
 
-In a batch (the target reports each Verify's whole step: its rows and its forward's seconds) the
-cost that matters is the shared step's: K draft rows lengthen a step that carries the others'
-rows too. The policy fits the step's seconds as a line in its total rows (the slope from the
-steps' spread in rows, shrunk toward the curve's; queueing averaged apart, as it does not grow
-with rows), prices K at the others' rows + its own, and counts the others' tokens at their mean
-verify length under its own acceptance: drafting pays only if its gain beats what its rows cost
-the whole step.
+In a batch (the target reports the rows of each Verify's whole step) the cost that matters is
+the shared step's: K draft rows lengthen a step that carries the others' rows too. The policy
+fits its Verify's seconds as a line in the step's total rows (the slope from the steps' spread in
+rows, shrunk toward the curve's), prices K at the others' rows + its own, and counts the others'
+tokens at their mean verify length under its own acceptance: drafting pays only if its gain beats
+what its rows cost the whole step. The whole Verify, not the step's forward alone: on a shared
+machine a row also costs its laws' warping, transport and checks, which the forward leaves out.
 
 It reads only past rounds' outcomes and timings, so the output law stays exactly the target's:
 every round is lossless for any K fixed before it starts. No randomness: the same history gives the same choices (timings differ from
@@ -43,7 +43,6 @@ class RoundOutcome:
     others: int = 0  # other requests' sequences in the Verify's batched forward
     step_rows: int = 0  # new rows of that whole forward, this request's included (0: not reported)
     own_rows: int = 0  # of which this request's sequences ran
-    step_s: float = 0.0  # seconds of that forward, without queueing or transport (0: not reported)
 
 
 OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: streams come and go
@@ -110,10 +109,8 @@ class AdaptiveK:
         self.own = 1  # this request's sequences per round
         self.others = 0.0  # smoothed: other requests' sequences sharing its Verify forwards
         self.others_rows = 0.0  # smoothed: their rows (0 while the target reports no step rows)
-        self.step_sum: dict[int, float] = {}  # a step's total rows -> summed forward seconds
+        self.step_sum: dict[int, float] = {}  # a step's total rows -> summed seconds of Verifies in it
         self.step_count: dict[int, int] = {}
-        self.queue_s = 0.0  # summed seconds of Verifies beyond their step (queueing, transport)
-        self.queue_count = 0
 
     # ------------------------------------------------------------ the model
 
@@ -127,10 +124,9 @@ class AdaptiveK:
 
     def verify_cost(self, rows: int) -> float:
         """Seconds of a Verify of `rows` rows per sequence: alone, measured, else estimated from
-        measured ones; in company, the queueing plus the shared step at the others' rows + ours."""
+        measured ones; in company, at a shared step of the others' rows + ours."""
         if self.step_count and (self._in_company() or not self.verify_count):
-            total = round(self.others_rows) + self.own * rows
-            return self.queue_s / max(1, self.queue_count) + self.step_cost(total)
+            return self.step_cost(round(self.others_rows) + self.own * rows)
         measured = {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
         if rows in measured:
             return measured[rows]
@@ -149,7 +145,7 @@ class AdaptiveK:
         return self.others_rows >= 0.5  # the target reports step rows, and others share them
 
     def step_cost(self, total: int) -> float:
-        """Seconds of a step's forward over `total` rows: a line through the measured steps, its
+        """Seconds of a Verify in a step of `total` rows: a line through the measured ones, its
         slope per row learned from their spread in rows and shrunk toward the curve's (at their
         mean, scaled to their seconds; without a curve, seconds in proportion to rows)."""
         count = sum(self.step_count.values())
@@ -246,10 +242,8 @@ class AdaptiveK:
             if not outcome.others or not outcome.step_rows:  # the Verify's own cost at its length
                 self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
                 self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1
-            if outcome.step_rows and outcome.step_s > 0 and not prefill:
+            if outcome.step_rows and not prefill:
                 total = outcome.step_rows
-                self.step_sum[total] = self.step_sum.get(total, 0.0) + outcome.step_s
+                self.step_sum[total] = self.step_sum.get(total, 0.0) + outcome.verify_s
                 self.step_count[total] = self.step_count.get(total, 0) + 1
-                self.queue_s += max(0.0, outcome.verify_s - outcome.step_s)
-                self.queue_count += 1
         self.rounds += 1

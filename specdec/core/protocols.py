@@ -87,7 +87,6 @@ class VerifyResult:
     hidden: np.ndarray | None = None  # [len(prefix) + K - hidden_from, H], when asked
     step_sequences: int = 1  # sequences in the batched forward it ran in, itself included
     step_rows: int = 0  # new rows of all those sequences (0: not reported)
-    step_s: float = 0.0  # seconds of that forward (0: not reported)
 
 
 class Drafter(Protocol):

@@ -128,7 +128,6 @@ class LogitsResult:
     hidden: torch.Tensor | None = None  # [len(token_ids) - hidden_from, H] float32 on CPU, when asked
     step_sequences: int = 1  # items of the one batched forward this ran in (1: a forward of its own)
     step_rows: int = 0  # new rows of all those items (0: not counted); set by `scheduler.step_items`
-    step_s: float = 0.0  # seconds of that step's forwards (0: not timed)
 
 
 # ---------------------------------------------------------------- last_logits, step by step

@@ -530,13 +530,11 @@ def step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:
     short uncached samples (num_samples) ran 14x slower there than padded (200 x 5 tokens, tiny
     model). Both give each item what `last_logits` gives it alone, up to float noise.
 
-    Each result also says what the whole step carried and cost (items, new rows, seconds): a
-    caller's K policy weighs its own rows against them."""
-    started = time.perf_counter()
+    Each result also says what the whole step carried (items, new rows): a caller's K policy
+    weighs its own rows against them."""
     results = _step_items(runner, items)
-    seconds = time.perf_counter() - started
     rows = sum(len(item.token_ids) - r.cached_tokens for item, r in zip(items, results, strict=True))
-    return [replace(r, step_sequences=len(items), step_rows=rows, step_s=seconds) for r in results]
+    return [replace(r, step_sequences=len(items), step_rows=rows) for r in results]
 
 
 def _step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:

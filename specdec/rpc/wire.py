@@ -208,7 +208,6 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
                 hidden_states=encode_hidden_states(r.hidden) if r.hidden is not None else None,
                 step_sequences=r.step_sequences,
                 step_rows=r.step_rows,
-                step_seconds=r.step_s,
             )
             for r in results
         ]
@@ -231,8 +230,7 @@ def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[Verif
         if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:
             raise ValueError(f"target_probs has shape {list(laws.shape)}, expected [K + 1, vocabulary]")
         hidden = _hidden(v.hidden_states) if v.HasField("hidden_states") else None
-        step = (max(1, v.step_sequences), max(0, v.step_rows), max(0.0, v.step_seconds))
-        results.append(VerifyResult(laws, v.cached_tokens, hidden, *step))
+        results.append(VerifyResult(laws, v.cached_tokens, hidden, max(1, v.step_sequences), max(0, v.step_rows)))
     return results
 
 

@@ -386,8 +386,8 @@ def test_a_verify_reports_its_step_to_the_k_policy_with_this_requests_rows_apart
 
     requests = [VerifyRequest("a", [1, 2, 3, 4], [5, 6]), VerifyRequest("b", [1, 2, 3, 4], [5])]
     laws = np.full((3, V), 1 / V, dtype=np.float32)
-    results = [VerifyResult(laws, 3, None, 9, 20, 0.3), VerifyResult(laws[:2], 3, None, 9, 20, 0.3)]
+    results = [VerifyResult(laws, 3, None, 9, 20), VerifyResult(laws[:2], 3, None, 9, 20)]
     # 9 sequences in the step, 2 of them ours; ours ran (6 - 3) + (5 - 3) new rows of its 20.
-    assert _step_share(requests, results) == (7, 20, 5, 0.3)
+    assert _step_share(requests, results) == (7, 20, 5)
     alone = [VerifyResult(laws, 3), VerifyResult(laws[:2], 3)]  # a target that reports no step
-    assert _step_share(requests, alone) == (0, 0, 0, 0.0)
+    assert _step_share(requests, alone) == (0, 0, 0)

@@ -165,8 +165,8 @@ def test_drafting_that_pays_alone_stops_in_a_batch_where_its_rows_slow_everyone(
 def _play_in_reported_batch(
     policy: AdaptiveK, rounds: int, others: int, base_s: float, row_s: float, queue_s: float = 0.0
 ) -> list[int]:
-    """As _play_in_batch, but the target reports the step: `others` sequences decoding 1 row each,
-    the forward costing base_s + row_s per row of the step, and the Verify waiting queue_s more."""
+    """As _play_in_batch, but the target reports the step's rows: `others` sequences decoding 1 row
+    each, a Verify costing base_s + row_s per row of its step, plus queue_s of waiting for it."""
     import random
 
     rng, chosen = random.Random(0), []
@@ -175,8 +175,8 @@ def _play_in_reported_batch(
         chosen.append(k)
         accepted = next((i for i in range(k) if rng.random() >= 0.6), k)
         rows = others + k + 1
-        step_s = base_s + row_s * rows
-        outcome = RoundOutcome(k, k * 0.001, step_s + queue_s, k + 1, [(k, accepted)], others, rows, k + 1, step_s)
+        verify_s = base_s + row_s * rows + queue_s
+        outcome = RoundOutcome(k, k * 0.001, verify_s, k + 1, [(k, accepted)], others, rows, k + 1)
         policy.observe(outcome)
     return chosen
 
@@ -192,9 +192,9 @@ def test_in_a_reported_batch_k_follows_what_a_row_costs_the_shared_step():
     assert all(k > 0 for k in cheap[10:])
 
 
-def test_queueing_is_learned_apart_from_the_step_and_does_not_scale_with_rows():
-    # A long wait for the step adds the same to every K: with the step itself nearly flat in rows,
-    # drafting still pays (priced as whole Verifies, the wait would look like dear rows).
+def test_a_wait_for_the_step_adds_the_same_to_every_k():
+    # A long wait lands in the line's intercept, not its slope: with the step nearly flat in rows,
+    # drafting still pays.
     curve = tuple(1.0 + 0.01 * r for r in range(1, 10))
     chosen = _play_in_reported_batch(AdaptiveK(4, verify_curve=curve), 40, 7, 0.1, 0.001, queue_s=0.5)
     assert all(k > 0 for k in chosen[10:])
@@ -202,9 +202,9 @@ def test_queueing_is_learned_apart_from_the_step_and_does_not_scale_with_rows():
 
 def test_a_step_that_carried_a_prompt_teaches_nothing():
     policy = AdaptiveK(4)
-    policy.observe(RoundOutcome(2, 0.0, 9.0, 3, [(2, 2)], 1, 400, 300, 8.0))  # round 0, its own prompt
-    policy.observe(RoundOutcome(0, 0.0, 0.2, 1, [(0, 0)], 3, 4, 1, 0.1))
-    policy.observe(RoundOutcome(0, 0.0, 5.0, 1, [(0, 0)], 3, 500, 1, 4.9))  # another's prompt in the step
+    policy.observe(RoundOutcome(2, 0.0, 9.0, 3, [(2, 2)], 1, 400, 300))  # round 0, its own prompt
+    policy.observe(RoundOutcome(0, 0.0, 0.2, 1, [(0, 0)], 3, 4, 1))
+    policy.observe(RoundOutcome(0, 0.0, 5.0, 1, [(0, 0)], 3, 500, 1))  # another's prompt in the step
     assert policy.step_count == {4: 1}
     assert abs(policy.others_rows - 0.3 * 3) < 1e-9
 
