@@ -21,8 +21,9 @@ what its rows cost the whole step. The whole Verify, not the step's forward alon
 machine a row also costs its laws' warping, transport and checks, which the forward leaves out.
 
 It reads only past rounds' outcomes and timings, so the output law stays exactly the target's:
-every round is lossless for any K fixed before it starts. No randomness: the same history gives the same choices (timings differ from
-run to run, so an auto-K request's tokens may too; its law does not).
+every round is lossless for any K fixed before it starts. No randomness: the same history gives
+the same choices (timings differ from run to run, so an auto-K request's tokens may too; its law
+does not).
 """
 
 from __future__ import annotations
