@@ -12,12 +12,12 @@ from the nearest measured one, scaled by the target's forward-cost curve (what t
 measured at start, `ModelInfo.forward_cost_ms`); without a curve, the 1-row cost times a default
 factor, never below a measured shorter length.
 
-In a batch (the target reports the rows of each Verify's whole step) the cost that matters is
-the shared step's: K draft rows lengthen a step that carries the others' rows too. The policy
-fits its Verify's seconds as a line in the step's total rows (the slope from the steps' spread in
-rows, shrunk toward the curve's), prices K at the others' rows + its own, and counts the others'
-tokens at their mean verify length under its own acceptance: drafting pays only if its gain beats
-what its rows cost the whole step. The whole Verify, not the step's forward alone: on a shared
+In a batch (the target reports the sequences and rows of each Verify's whole step) the cost that
+matters is the shared step's: K draft rows lengthen a step that carries the others' rows too. The
+policy fits its Verify's seconds as a plane in the step's sequences and rows (`StepFit`: on a CPU
+a sequence costs several rows, and streams coming and going move both), prices K at the others'
+rows + its own, and counts the others' tokens at their mean verify length under its own
+acceptance: drafting pays only if its gain beats what its rows cost the whole step. The whole Verify, not the step's forward alone: on a shared
 machine a row also costs its laws' warping, transport and checks, which the forward leaves out.
 
 It reads only past rounds' outcomes and timings, so the output law stays exactly the target's:
@@ -50,8 +50,47 @@ OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: stre
 # Others' rows per sequence beyond any Verify's: a prompt's forward shared the step. Its cost is
 # not the others' usual step, and no K of this request changes it: such rounds teach nothing.
 PREFILL_ROWS_PER_SEQUENCE = 17
-SLOPE_PRIOR_ROWS2 = 4.0  # the curve's slope weighs as much as steps spread this much (rows^2)
 MIN_STEP_SHARE = 0.2  # a step never costs less than this share of the measured ones' mean
+
+
+class StepFit:
+    """A Verify's seconds in a shared step as mean + b_seq (S - mean S) + b_row (R - mean R), S the
+    step's sequences and R its rows, by least squares over running sums. Both slopes are shrunk, by
+    ridge weights in units of the regressor's spread: b_row toward a prior (the curve's), firmly,
+    b_seq toward 0, weakly. Rounds at K = 0 have R = S and show only the sum of the slopes; rows
+    added at a fixed S (this request's drafts) tell them apart."""
+
+    ROW_PRIOR_WEIGHT = 4.0  # as much as steps spread this much in rows (rows^2)
+    SEQUENCE_PRIOR_WEIGHT = 0.25
+
+    def __init__(self):
+        self.n = 0
+        self.sums = dict.fromkeys(("s", "r", "y", "ss", "rr", "sr", "sy", "ry"), 0.0)
+
+    def add(self, sequences: int, rows: int, seconds: float) -> None:
+        self.n += 1
+        for key, value in zip(
+            self.sums,
+            (sequences, rows, seconds, sequences**2, rows**2, sequences * rows, sequences * seconds, rows * seconds),
+            strict=True,
+        ):
+            self.sums[key] += value
+
+    def means(self) -> tuple[float, float, float]:
+        """(mean sequences, mean rows, mean seconds)."""
+        return self.sums["s"] / self.n, self.sums["r"] / self.n, self.sums["y"] / self.n
+
+    def predict(self, sequences: int, rows: int, row_slope_prior: float) -> float:
+        s, r, y = self.means()
+        n, sums = self.n, self.sums
+        ss = sums["ss"] - n * s * s + self.SEQUENCE_PRIOR_WEIGHT
+        rr = sums["rr"] - n * r * r + self.ROW_PRIOR_WEIGHT
+        sr = sums["sr"] - n * s * r
+        sy = sums["sy"] - n * s * y
+        ry = sums["ry"] - n * r * y + self.ROW_PRIOR_WEIGHT * row_slope_prior
+        det = ss * rr - sr * sr
+        b_seq, b_row = (sy * rr - ry * sr) / det, (ry * ss - sy * sr) / det
+        return max(y * MIN_STEP_SHARE, y + b_seq * (sequences - s) + max(0.0, b_row) * (rows - r))
 
 
 class FixedK:
@@ -110,8 +149,7 @@ class AdaptiveK:
         self.own = 1  # this request's sequences per round
         self.others = 0.0  # smoothed: other requests' sequences sharing its Verify forwards
         self.others_rows = 0.0  # smoothed: their rows (0 while the target reports no step rows)
-        self.step_sum: dict[int, float] = {}  # a step's total rows -> summed seconds of Verifies in it
-        self.step_count: dict[int, int] = {}
+        self.steps = StepFit()  # this request's Verifies in steps that reported their rows
 
     # ------------------------------------------------------------ the model
 
@@ -126,8 +164,10 @@ class AdaptiveK:
     def verify_cost(self, rows: int) -> float:
         """Seconds of a Verify of `rows` rows per sequence: alone, measured, else estimated from
         measured ones; in company, at a shared step of the others' rows + ours."""
-        if self.step_count and (self._in_company() or not self.verify_count):
-            return self.step_cost(round(self.others_rows) + self.own * rows)
+        if self.steps.n and (self._in_company() or not self.verify_count):
+            _, mean_rows, mean_s = self.steps.means()
+            prior = self._prior_slope(mean_rows, mean_s)
+            return self.steps.predict(round(self.others) + self.own, round(self.others_rows) + self.own * rows, prior)
         measured = {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
         if rows in measured:
             return measured[rows]
@@ -144,18 +184,6 @@ class AdaptiveK:
 
     def _in_company(self) -> bool:
         return self.others_rows >= 0.5  # the target reports step rows, and others share them
-
-    def step_cost(self, total: int) -> float:
-        """Seconds of a Verify in a step of `total` rows: a line through the measured ones, its
-        slope per row learned from their spread in rows and shrunk toward the curve's (at their
-        mean, scaled to their seconds; without a curve, seconds in proportion to rows)."""
-        count = sum(self.step_count.values())
-        mean_rows = sum(r * n for r, n in self.step_count.items()) / count
-        mean_s = sum(self.step_sum.values()) / count
-        spread = sum(n * (r - mean_rows) ** 2 for r, n in self.step_count.items())
-        covariance = sum((r - mean_rows) * seconds for r, seconds in self.step_sum.items())
-        slope = (covariance + SLOPE_PRIOR_ROWS2 * self._prior_slope(mean_rows, mean_s)) / (spread + SLOPE_PRIOR_ROWS2)
-        return max(mean_s * MIN_STEP_SHARE, mean_s + max(0.0, slope) * (total - mean_rows))
 
     def _prior_slope(self, rows: float, seconds: float) -> float:
         """Seconds per row at `rows`, by the curve's shape, for steps of `seconds` there."""
@@ -244,7 +272,5 @@ class AdaptiveK:
                 self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
                 self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1
             if outcome.step_rows and not prefill:
-                total = outcome.step_rows
-                self.step_sum[total] = self.step_sum.get(total, 0.0) + outcome.verify_s
-                self.step_count[total] = self.step_count.get(total, 0) + 1
+                self.steps.add(outcome.others + self.own, outcome.step_rows, outcome.verify_s)
         self.rounds += 1
