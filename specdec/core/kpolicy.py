@@ -17,8 +17,9 @@ matters is the shared step's: K draft rows lengthen a step that carries the othe
 policy fits its Verify's seconds as a plane in the step's sequences and rows (`StepFit`: on a CPU
 a sequence costs several rows, and streams coming and going move both), prices K at the others'
 rows + its own, and counts the others' tokens at their mean verify length under its own
-acceptance: drafting pays only if its gain beats what its rows cost the whole step. The whole Verify, not the step's forward alone: on a shared
-machine a row also costs its laws' warping, transport and checks, which the forward leaves out.
+acceptance: drafting pays only if its gain beats what its rows cost the whole step. The whole
+Verify, not the step's forward alone: on a shared machine a row also costs its laws' warping,
+transport and checks, which the forward leaves out.
 
 It reads only past rounds' outcomes and timings, so the output law stays exactly the target's:
 every round is lossless for any K fixed before it starts. No randomness: the same history gives
@@ -229,7 +230,7 @@ class AdaptiveK:
         for k in range(self.k_max + 1):
             verify = self.verify_cost(k + 1) + self.overhead_s
             own = self.own * expected[k] / (k * draft + verify)
-            out.append(own + (others / verify if others else 0.0))  # the others do not wait for our draft
+            out.append(own + others / verify)  # the others do not wait for our draft
         return out
 
     # ------------------------------------------------------------ the policy
