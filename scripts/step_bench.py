@@ -25,17 +25,35 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
-import numpy as np
-import torch
+from specdec.models.openmp_env import set_openmp_defaults
 
-from specdec.models.runner import ModelRunner, StepItem
+set_openmp_defaults()  # before torch loads, as the services do
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from specdec.models.runner import ModelRunner, StepItem  # noqa: E402
+from specdec.models.threads import set_torch_threads  # noqa: E402
 
 SESSIONS = 16
 
 
 def _load(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunner:
+    """The target as a service loads it: on a thread that then ends, so that the model thread's
+    OpenMP team is the only one left in the process (`specdec.models.openmp_env`)."""
+    loaded: list[ModelRunner] = []
+    loader = threading.Thread(target=lambda: loaded.append(_load_here(threads, calibrate_max_rows, layout)))
+    loader.start()
+    loader.join()
+    if not loaded:
+        raise SystemExit("loading the model failed (see above)")
+    return loaded[0]
+
+
+def _load_here(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunner:
     from specdec.models.sources import DEFAULT_MODEL
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
@@ -120,6 +138,9 @@ def main() -> None:
     parser.add_argument("--layout", default="auto", help="LINEAR_LAYOUT, as the service setting")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    # This thread's own tensor ops (the logit comparisons) stay on it: a team of its own would
+    # throttle the model thread's (`specdec.models.openmp_env`).
+    set_torch_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
     shapes = [(n, int(r)) for n in sizes for r in args.rows.split(",")]
     if max(sizes) > SESSIONS:

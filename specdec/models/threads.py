@@ -89,6 +89,15 @@ class ThreadGovernor:
         self.record(rows, threads, self.clock() - started)
 
 
+def set_torch_threads(count: int) -> None:
+    """torch's intra-op thread count for the calling thread. A thread's first torch call sets its
+    count to the one last set by any thread; that happens here first, so it cannot undo this later."""
+    import torch
+
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
 def thread_candidates(available: int) -> tuple[int, ...]:
     """All the CPUs this process may use first, then fewer: one, and half when that differs."""
     return tuple(dict.fromkeys((available, max(1, available // 2), 1)))

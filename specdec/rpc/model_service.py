@@ -212,7 +212,7 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     from specdec.models.runner import SessionKVCache
     from specdec.models.sources import load_tokenizer
     from specdec.models.static_runner import make_runner
-    from specdec.models.threads import ThreadGovernor, thread_candidates
+    from specdec.models.threads import ThreadGovernor, set_torch_threads, thread_candidates
 
     model, source = load_causal_lm(settings.model, settings.dtype, settings.device)
     tokenizer = load_tokenizer(settings.model)
@@ -221,10 +221,10 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     # lazily, so the calibration below compiles the buckets it measures (a warm-up on CUDA).
     runner = make_runner(model, cache, settings.compile, settings.static_cache_len)
     threads = settings.torch_threads or available_cpus()
-    runner.on_model_thread(torch.set_num_threads, threads)  # OpenMP reads it per calling thread
+    runner.on_model_thread(set_torch_threads, threads)  # OpenMP reads it per calling thread
     costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)
     if not settings.torch_threads and runner.device.type == "cpu":
-        runner.governor = ThreadGovernor(thread_candidates(threads), torch.set_num_threads, torch.get_num_threads)
+        runner.governor = ThreadGovernor(thread_candidates(threads), set_torch_threads, torch.get_num_threads)
         for rows, seconds in enumerate(costs.seconds if costs is not None else (), start=1):
             runner.governor.seed(rows, threads, seconds)  # measured at `threads`, warm
     info = model_info_proto(runner, source, tokenizer, role, settings.dtype, settings.device)

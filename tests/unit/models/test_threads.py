@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.models.threads import ThreadGovernor, thread_candidates
+from specdec.models.threads import ThreadGovernor, set_torch_threads, thread_candidates
 
 
 class _Machine:
@@ -57,3 +57,33 @@ def test_candidates_and_bad_input():
     assert thread_candidates(2) == (2, 1) and thread_candidates(8) == (8, 4, 1) and thread_candidates(1) == (1,)
     with pytest.raises(ValueError, match=">= 1"):
         ThreadGovernor((0,), lambda n: None, lambda: 1)
+
+
+def test_a_threads_count_survives_another_thread_setting_its_own_before_its_first_torch_op():
+    """torch gives a thread, at its first parallel op, the count last set by any thread; a count
+    set with set_torch_threads is already past that, so a gRPC or bench thread's 1 cannot undo
+    the model thread's 2."""
+    import threading
+
+    import torch
+
+    set_here, other_set, seen = threading.Event(), threading.Event(), []
+
+    def model_thread():
+        set_torch_threads(2)
+        set_here.set()
+        other_set.wait(10)
+        torch.ones(1 << 18).exp_()  # parallel-sized: a first op would run torch's lazy init here
+        seen.append(torch.get_num_threads())
+
+    def other_thread():
+        set_here.wait(10)
+        set_torch_threads(1)
+        other_set.set()
+
+    threads = [threading.Thread(target=model_thread), threading.Thread(target=other_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [2]
