@@ -32,11 +32,11 @@ from specdec.models.openmp_env import set_openmp_defaults
 
 set_openmp_defaults()  # before torch loads, as the services do
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from specdec.models.runner import ModelRunner, StepItem  # noqa: E402
-from specdec.models.threads import set_torch_threads  # noqa: E402
+from specdec.models.runner import ModelRunner, StepItem
+from specdec.models.threads import set_torch_threads
 
 SESSIONS = 16
 
