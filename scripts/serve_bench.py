@@ -25,7 +25,10 @@ equal work. Prompts are the first turns of the workloads (30 by default); every 
 same prompts with the same seeds (each K's behind its own short opening, so none reuses another's
 prefill from the target's cache), and each level the next ones, so no prompt is sent twice at one K until
 all are used (a suffix draft learns answers across sessions: at T = 0 it would propose a repeated
-prompt's answer whole; rows count such requests). Across the Ks of a level it does learn: the second
+prompt's answer whole; rows count such requests). With --same-prompts every level sends the first
+ones instead, each level and K behind an opening of its own, so levels compare on the same prompts
+(their lengths differ tenfold; with the next ones, 16 requests gave 8 streams prompts of half the
+length that 1 stream got). Across the Ks of a level a suffix draft does learn: the second
 drafting K meets a draft that indexed the first's answers to the same prompts (measured, 8 streams,
 T = 0: auto K 0.7-0.9x of K = 0 run before K = 1, 1.3x after it), so rows count those requests too
 and, for a suffix draft, Ks compare fairly only in separate runs. Sessions are deleted after each level, outside its
@@ -528,6 +531,7 @@ class Plan:
     chat: bool = True
     repeats: int = 1
     seed: int = 0
+    same_prompts: bool = False  # every level sends the first prompts, not the next ones
     runs: dict = field(default_factory=dict)  # (k, load) -> [LevelRun], one per repeat
 
     def requests_for(self, load: Load) -> int | None:
@@ -575,12 +579,12 @@ def send_one(client, prompt: str, **kwargs) -> RequestResult:
     return stream_one(client, prompt, **kwargs)
 
 
-def run_level(client, plan: Plan, load: Load, k, first: int = 0) -> LevelRun:
-    """One (load, K): its requests, then its sessions deleted (outside the timing). Request i sends
-    prompt first + i (cycled) with seed --seed + first + i."""
+def run_level(client, plan: Plan, load: Load, k, first: int = 0, level: int = 0) -> LevelRun:
+    """One (load, K), the run's `level`-th level: its requests, then its sessions deleted (outside
+    the timing). Request i sends prompt first + i (cycled) with seed --seed + first + i."""
 
     def send(i: int) -> RequestResult:
-        prompt = opening(plan, k) + plan.prompts[(first + i) % len(plan.prompts)]
+        prompt = opening(plan, k, level) + plan.prompts[(first + i) % len(plan.prompts)]
         return send_one(client, prompt, **plan.request_kwargs(k, plan.seed + first + i))
 
     if load.concurrency is not None:
@@ -589,15 +593,20 @@ def run_level(client, plan: Plan, load: Load, k, first: int = 0) -> LevelRun:
         run = run_open_loop(send, plan.arrivals(load), load.max_concurrency)
     delete_sessions(client, run.results)
     run.repeated_prompts = min(len(run.results), max(0, first + len(run.results) - len(plan.prompts)))
+    if plan.same_prompts and level > 0:
+        run.repeated_prompts = len(run.results)  # every one was sent at this K by an earlier level
     return run
 
 
-def opening(plan: Plan, k) -> str:
+def opening(plan: Plan, k, level: int = 0) -> str:
     """What each K's prompts open with, a tag of its own: the target keeps deleted sessions' KV
     caches and starts a new session from the cached entry that shares its longest prefix, so a K
     sending the same prompts after another could skip their prefill (measured, 8 streams: auto K
     run after K=0 and drafting almost nothing, 1.07 tokens a round, gave 1.32x of K=0). With its
-    own tag after the shared system prompt, every K's requests run their prompts' forwards."""
+    own tag after the shared system prompt, every K's requests run their prompts' forwards. With
+    --same-prompts every level sends the same prompts too, so the tag names the level as well."""
+    if plan.same_prompts:
+        return f"({level + 1}.{plan.ks.index(k) + 1}) "
     return f"({plan.ks.index(k) + 1}) "
 
 
@@ -626,11 +635,12 @@ def bench_stack(client, plan: Plan) -> list[dict]:
     warm_up(client, plan)
     # Prompts a draft was sent (K = 0 calls no draft): at T = 0 a suffix draft then knows their answers.
     drafted = {len(plan.prompts) - 1} if any(k != 0 for k in plan.ks) else set()
-    level, first, used = None, 0, 0
+    level, index, first, used = None, -1, 0, 0
     for repeat, load, k in schedule_order(plan.ks, plan.loads, plan.repeats):
         if (repeat, load) != level:
-            level, first, used = (repeat, load), first + used, 0
-        run = run_level(client, plan, load, k, first)
+            first = 0 if plan.same_prompts else first + used
+            level, index, used = (repeat, load), index + 1, 0
+        run = run_level(client, plan, load, k, first, index)
         used = max(used, len(run.results))
         if k != 0:
             sent = [(first + i) % len(plan.prompts) for i in range(len(run.results))]
@@ -771,6 +781,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=1200, help="longest passage of a built-in prompt (~4 per token)")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts (workloads.py format; first turns used)")
     p.add_argument("--repeats", type=int, default=1, help="every level and K this many times, interleaved")
+    p.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every level sends the same prompts (each level and K behind its own opening), so levels compare alike",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--background-load", type=int, default=0, metavar="N", help="N busy CPU processes")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="JSON rows on stdout (no table), or into FILE")
@@ -810,6 +825,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         ignore_eos=args.ignore_eos,
         chat=args.chat,
         repeats=args.repeats,
+        same_prompts=args.same_prompts,
         seed=args.seed,
     )
 

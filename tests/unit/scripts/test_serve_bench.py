@@ -250,6 +250,23 @@ def test_every_k_of_a_level_sends_the_same_prompts_and_levels_the_next_ones():
     assert len(client.deleted) == len(client.sent)
 
 
+def test_with_same_prompts_every_level_sends_the_first_prompts_each_behind_its_own_opening():
+    """Levels compare alike only on the same prompts (their lengths differ tenfold); each (level,
+    K) opens with its own tag, so none reuses another's prefill from the target's cache."""
+    argv = ["--concurrency", "1,2", "--ks", "0,auto", "--num-prompts", "2", "--per-workload", "1", "--same-prompts"]
+    plan = serve_bench.build_plan(serve_bench.parse_args(argv))
+    client = RecordingClient()
+    rows = serve_bench.bench_stack(client, plan)
+    measured = client.sent[2:]  # after one warm-up request per K
+    tags = {p.split(" ", 1)[0] for p, _, _ in measured}
+    assert tags == {"(1.1)", "(1.2)", "(2.1)", "(2.2)"}
+    for tag in tags:
+        sent = sorted((p.split(" ", 1)[1], seed) for p, seed, _ in measured if p.startswith(tag + " "))
+        assert sent == [(plan.prompts[0], 0), (plan.prompts[1], 1)]
+    repeated = {(r["k"], r["concurrency"]): r["repeated_prompts"] for r in rows}
+    assert repeated == {(0, 1): 0, ("auto", 1): 0, (0, 2): 2, ("auto", 2): 2}
+
+
 def test_rows_count_drafting_requests_whose_prompt_a_draft_has_seen_at_another_k():
     """The Ks of a level send the same prompts: whichever drafting K runs later meets a suffix draft
     that has indexed those prompts' answers (K = 0 sends the draft nothing)."""
