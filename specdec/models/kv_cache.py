@@ -9,9 +9,18 @@ so a forward reads exactly what DynamicLayer would hand it (same values, same sh
 (`crop`) only shortens the view. The buffer grows by a quarter (at least GROWTH_MIN positions)
 when full, so the copies left cost O(1) amortised per token, and memory stays within 1.25x of
 the cached tokens plus GROWTH_MIN positions per layer.
+
+A shared prefix. Sessions that open alike (a long system prompt, a request's samples) can read
+their first positions from one copy: a layer may carry `prefix_keys` / `prefix_values`, views of a
+`SharedRoot` that several caches read and none writes, with its own buffer holding the positions
+after them (`fork_cache`). The model's own attention reads a layer's keys/values whole, so such a
+layer refuses `update`: only ragged attention (`specdec.models.ragged`) reads it, attending to the
+prefix and to the layer's own positions separately and merging the two by their log-sum-exps.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -20,13 +29,37 @@ from transformers.cache_utils import DynamicLayer
 GROWTH_MIN = 64  # spare positions allocated at least, per growth
 
 
+@dataclass(eq=False)
+class SharedRoot:
+    """The storage of a shared prefix: `length` positions in every layer, alive while a cache reads
+    them (the per-layer tensors hang off the layers' views; this marks which views are one copy)."""
+
+    length: int
+
+
 def _capacity(needed: int) -> int:
     return needed + max(GROWTH_MIN, needed // 4)
 
 
 class ReservedLayer(DynamicLayer):
     """A DynamicLayer whose keys/values ([batch, kv heads, positions, head dim]) are views of
-    buffers with room for more positions."""
+    buffers with room for more positions, optionally after a shared prefix (`prefix_keys`,
+    `prefix_values`: [batch, kv heads, prefix_len, head dim], read only)."""
+
+    prefix_keys: torch.Tensor | None = None
+    prefix_values: torch.Tensor | None = None
+    prefix_root: SharedRoot | None = None
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
+
+    def own_length(self) -> int:
+        """Positions held in this layer's own buffer (after the prefix)."""
+        return super().get_seq_length()
+
+    def get_seq_length(self) -> int:
+        return self.prefix_len + self.own_length()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -58,9 +91,17 @@ class ReservedLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefix_keys is not None:
+            # What this returns would lack the prefix: attention over it would be silently wrong.
+            raise RuntimeError("a cache layer after a shared prefix is read by ragged attention only")
+        return self.append(key_states, value_states)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new positions after the own ones; returns the own keys/values (the prefix's
+        are `prefix_keys` / `prefix_values`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length = self.get_seq_length()
+        length = self.own_length()
         needed = length + key_states.shape[-2]
         self._reserve(length, needed, key_states, value_states)
         self._key_buffer[:, :, length:needed].copy_(key_states)
@@ -69,8 +110,35 @@ class ReservedLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, :needed]
         return self.keys, self.values
 
+    def crop(self, tokens_to_remove: int) -> None:
+        keep = self.get_seq_length() + tokens_to_remove  # tokens_to_remove <= 0, as DynamicLayer's
+        if tokens_to_remove > 0 or keep >= self.prefix_len:
+            super().crop(tokens_to_remove)  # within the own positions (or refused, as DynamicLayer does)
+            return
+        # Back into the prefix: the first `keep` positions become this layer's own again.
+        keys, values = self.prefix_keys[:, :, :keep], self.prefix_values[:, :, :keep]
+        self.drop_prefix()
+        if self.is_initialized:
+            self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+        self.append(keys, values)
+
+    def share_first(self, n: int, root: SharedRoot) -> None:
+        """Moves this layer's first n own positions (it has no prefix) into a prefix of `root`,
+        copied once, and its other positions into a buffer of their own."""
+        keys, values = self.keys, self.values
+        self.prefix_keys, self.prefix_values = keys[:, :, :n].clone(), values[:, :, :n].clone()
+        self.prefix_root = root
+        self._key_buffer = self._value_buffer = None
+        self.keys, self.values = keys[:, :, :0].clone(), values[:, :, :0].clone()  # not views: the old buffer goes
+        if keys.shape[-2] > n:
+            self.append(keys[:, :, n:], values[:, :, n:])
+
+    def drop_prefix(self) -> None:
+        self.prefix_keys = self.prefix_values = self.prefix_root = None
+
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
+        self.drop_prefix()
         super().reset()
 
 
@@ -79,4 +147,52 @@ def new_cache(config) -> DynamicCache:
     and other layer kinds stay as transformers makes them)."""
     cache = DynamicCache(config=config)
     cache.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def shareable(cache) -> bool:
+    """Whether `fork_cache` can read this cache (every layer a ReservedLayer)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(isinstance(layer, ReservedLayer) for layer in layers)
+
+
+def shared_prefix(cache) -> tuple[SharedRoot | None, int]:
+    """(the root the cache's prefix views, its prefix length), or (None, 0)."""
+    layers = getattr(cache, "layers", None)
+    first = layers[0] if layers else None
+    if not isinstance(first, ReservedLayer) or first.prefix_root is None:
+        return None, 0
+    return first.prefix_root, first.prefix_len
+
+
+def fork_cache(source: DynamicCache, n: int, config) -> DynamicCache:
+    """A new cache of the source's first n positions (a `shareable` source of at least n) that
+    stores none of them a second time: the source's shared prefix is read, not copied, and a
+    source without one first moves its first n positions into one (a copy, once). Only positions
+    past the source's prefix (a fork of a fork that ran further) are copied."""
+    if shared_prefix(source)[0] is None:
+        root = SharedRoot(n)
+        for layer in source.layers:
+            layer.share_first(n, root)
+    cache = new_cache(config)
+    for src, dst in zip(source.layers, cache.layers, strict=True):
+        shared = min(n, src.prefix_len)
+        dst.prefix_keys = src.prefix_keys[:, :, :shared]
+        dst.prefix_values = src.prefix_values[:, :, :shared]
+        dst.prefix_root = src.prefix_root
+        if n > shared:
+            dst.append(src.keys[:, :, : n - shared], src.values[:, :, : n - shared])
+    return cache
+
+
+def copy_cache(source: DynamicCache, n: int, config) -> DynamicCache:
+    """A new cache holding copies of a `shareable` source's keys/values of positions [0, n) only (a
+    long source is not copied whole for a short shared prefix), its prefix's included."""
+    cache = new_cache(config)
+    for index, layer in enumerate(source.layers):  # keys/values: [batch, kv heads, positions, head dim]
+        shared = min(n, layer.prefix_len)
+        if shared:
+            cache.update(layer.prefix_keys[:, :, :shared], layer.prefix_values[:, :, :shared], index)
+        if n > shared:  # update copies them
+            cache.update(layer.keys[:, :, : n - shared], layer.values[:, :, : n - shared], index)
     return cache

@@ -76,19 +76,82 @@ def ragged_attention(
 
     query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (this step's rows, rotary applied; the model
     ran without a cache). Returns ([1, T, Hq, D], None) as transformers' SDPA function does.
+    Segments whose cache reads a shared prefix (`kv_cache.fork_cache`) go by `_after_prefix`.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if ragged is None:
         raise RuntimeError("ragged attention called outside ragged_forward")
-    outputs = []
-    for seg in ragged.segments:
+    outputs: list[torch.Tensor | None] = [None] * len(ragged.segments)
+    prefixed: dict[tuple[int, int], list[int]] = {}  # (prefix storage, length) -> segment indices
+    for index, seg in enumerate(ragged.segments):
         rows = slice(seg.start, seg.end)
-        # The session's keys/values through this segment: [1, Hkv, past + n, D].
-        keys, values = seg.kv.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
-        out, _ = sdpa_attention_forward(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
-        outputs.append(out)  # [1, n, Hq, D]
-    return torch.cat(outputs, dim=1), None
+        layer = seg.kv.layers[module.layer_idx]
+        if getattr(layer, "prefix_keys", None) is None:
+            # The session's keys/values through this segment: [1, Hkv, past + n, D].
+            keys, values = seg.kv.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
+            outputs[index], _ = sdpa_attention_forward(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
+        else:
+            layer.append(key[:, :, rows], value[:, :, rows])
+            prefixed.setdefault((layer.prefix_keys.data_ptr(), layer.prefix_len), []).append(index)
+    for group in prefixed.values():
+        segments = [ragged.segments[i] for i in group]
+        for index, out in zip(group, _after_prefix(module, query, segments, kwargs.get("scaling")), strict=True):
+            outputs[index] = out  # [1, n, Hq, D]
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _after_prefix(module, query: torch.Tensor, segments: list[Segment], scale: float | None) -> list[torch.Tensor]:
+    """Outputs ([1, n, Hq, D] each) of segments whose caches read one shared prefix (cascade
+    attention): all their query rows attend to the prefix in ONE call (its keys/values read once
+    for them all), each segment's rows to its own positions under its causal mask, and the two
+    halves merge by their log-sum-exps, which is softmax attention over the whole, exactly but for
+    float rounding. Grouped-query heads go as rows of their key/value head (no repeated keys)."""
+    layers = [seg.kv.layers[module.layer_idx] for seg in segments]
+    heads = layers[0].prefix_keys.shape[1]
+    packed = [_group_rows(query[:, :, seg.start : seg.end], heads) for seg in segments]  # [1, Hkv, g*n, D]
+    stacked = packed[0] if len(packed) == 1 else torch.cat(packed, dim=2)
+    on_prefix, lse_prefix = _flash(stacked, layers[0].prefix_keys, layers[0].prefix_values, None, scale)
+    own = [  # (output, log-sum-exp) of each segment's rows over its own positions
+        _flash(rows, layer.keys, layer.values, _own_mask(seg.end - seg.start, layer.own_length(), rows), scale)
+        for rows, layer, seg in zip(packed, layers, segments, strict=True)
+    ]
+    if len(own) == 1:
+        on_own, lse_own = own[0]
+    else:
+        on_own, lse_own = torch.cat([o for o, _ in own], dim=2), torch.cat([lse for _, lse in own], dim=2)
+    # softmax over prefix + own = a convex mix of the two halves' softmaxes, weighted by their mass.
+    weight = torch.sigmoid(lse_prefix - lse_own).unsqueeze(-1).to(on_own.dtype)  # [1, Hkv, R, 1]
+    merged = torch.lerp(on_own, on_prefix, weight)
+    parts = merged.split([p.shape[2] for p in packed], dim=2)
+    return [
+        part.reshape(1, query.shape[1], seg.end - seg.start, -1).transpose(1, 2)
+        for part, seg in zip(parts, segments, strict=True)
+    ]
+
+
+def _group_rows(query: torch.Tensor, heads: int) -> torch.Tensor:
+    """[1, Hq, n, D] -> [1, Hkv, g*n, D]: query head kv*g + h's rows go to key/value head kv."""
+    _, hq, n, d = query.shape
+    return query.reshape(1, heads, (hq // heads) * n, d)
+
+
+def _own_mask(n: int, own: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """[1, 1, g*n, own] additive (0 / -inf, the kernel takes no bool mask): row i of n new rows
+    (the last n of `own` positions) sees own positions up to its own; `rows`: the grouped query
+    rows ([1, Hkv, g*n, D]). None for one row (it sees them all)."""
+    if n == 1:
+        return None
+    hidden = torch.arange(own)[None, :] > (own - n + torch.arange(n))[:, None]  # [n, own]
+    mask = torch.zeros(hidden.shape, dtype=rows.dtype).masked_fill_(hidden, float("-inf"))
+    return mask.repeat(rows.shape[2] // n, 1).view(1, 1, rows.shape[2], own)
+
+
+def _flash(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [1, H, R, D], log-sum-exp [1, H, R] float32): the CPU flash kernel F.sdpa runs."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys, values, 0.0, False, attn_mask=mask, scale=scale
+    )
 
 
 def _register() -> None:

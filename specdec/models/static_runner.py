@@ -194,6 +194,8 @@ class StaticModelRunner(ModelRunner):
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
     ):
         super().__init__(model, cache, max_positions)
+        # Its eager fallback's forks copy: the working cache's rows, not shared prefixes, are its layout.
+        self.stores_prefixes_once = False
         self.max_len = min(max_len, self.max_positions) if self.max_positions else max_len
         self.buckets = tuple(sorted(buckets))
         self.batch_buckets = tuple(sorted(batch_buckets))

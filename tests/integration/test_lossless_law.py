@@ -56,17 +56,36 @@ def test_single_sequence_path_with_kv_cache_follows_target_law(coordinator_stub,
     """The path real users take: one sample per request (per-session KV caches, rollbacks,
     Redis session writes), from concurrent clients. Fewer samples than the batched cases,
     so it claims less: the detectable total-variation distance is computed and reported."""
+    _single_sequence_law(coordinator_stub, tiny_loaded, PROMPT, "single-sequence K3-T1", record_property)
+
+
+def test_sessions_reading_a_shared_prefix_follow_target_law(
+    coordinator_stub, tiny_loaded, record_property, monkeypatch
+):
+    """Every request a new session under one 20-token prompt: both services start each from a
+    cached session's keys/values, here stored once and read through cascade attention
+    (MIN_STORED_ONCE lowered to 16: the tiny models hold 64 positions)."""
+    from specdec.models import runner
+
+    monkeypatch.setattr(runner, "MIN_STORED_ONCE", 16)
+    prompt = [(3 * i + 1) % 8 for i in range(20)]
+    _single_sequence_law(coordinator_stub, tiny_loaded, prompt, "shared-prefix K3-T1", record_property)
+    target = tiny_loaded["target"].runner
+    assert target.cache.hits > 1_000 and target.cache.total_tokens < 20 * len(target.cache)  # read, not copied
+
+
+def _single_sequence_law(stub, tiny_loaded, prompt: list[int], label: str, record_property) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     total = 4_000
     sampling = Sampling(1.0)
-    law = exact_sequence_law(tiny_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
+    law = exact_sequence_law(tiny_loaded["target"].runner.model, prompt, LENGTH, sampling)
 
     def one(i: int):
         request = build_request(
-            PROMPT, max_new_tokens=LENGTH, seed=10_000 + i, num_speculative_tokens=3, ignore_eos=True
+            prompt, max_new_tokens=LENGTH, seed=10_000 + i, num_speculative_tokens=3, ignore_eos=True
         )
-        response = coordinator_stub.Generate(request, timeout=120)
+        response = stub.Generate(request, timeout=120)
         return tuple(response.completions[0].token_ids), response.stats.recovered_tokens
 
     counts = np.zeros((8,) * LENGTH)
@@ -79,7 +98,7 @@ def test_single_sequence_path_with_kv_cache_follows_target_law(coordinator_stub,
     detectable = next(
         tv for tv in np.arange(0.05, 0.3, 0.005) if samples_to_detect(tv, bins, SIGNIFICANCE, 0.9) <= total
     )
-    summary = f"single-sequence K3-T1: n={total} bins={bins} chi2={statistic:.1f} p={p_value:.4f} rejections={rejections} detects TV>={detectable:.3f}"
+    summary = f"{label}: n={total} bins={bins} chi2={statistic:.1f} p={p_value:.4f} rejections={rejections} detects TV>={detectable:.3f}"
     print(summary)
     record_property("summary", summary)
     assert rejections > total * 0.3, summary
