@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import hostinfo
 import stack
 import workloads
 from workloads import INPUT_GROUNDED, WORKLOADS, Conversation
@@ -704,7 +705,7 @@ def run_info(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], mode
         "conversations": len(plan.conversations),
         "prompts": args.prompts,
         "background_load": args.background_load,
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        **hostinfo.describe(),  # cpus, cpu, isa
         "python": sys.version.split()[0],
     }
 
@@ -729,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     info = objects[0]
     print(
         f"\n{info['conversations']} conversations x {plan.repeats}, up to {plan.max_new_tokens} tokens per turn, "
-        f"chat template, target {args.target}, {info['cpus']} CPUs, background load {args.background_load}"
+        f"chat template, target {args.target}, {hostinfo.summary(info)}, background load {args.background_load}"
     )
     print(format_table(result))
     return 0

@@ -107,6 +107,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench
+import hostinfo
 import stack
 import workloads
 from workloads import WORKLOADS
@@ -863,7 +864,7 @@ def run_info(args, plan: Plan, drafter: bench.Drafter) -> dict:
         "seed": plan.seed,
         "prompts": len(plan.prompts),
         "background_load": args.background_load,
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        **hostinfo.describe(),  # cpus, cpu, isa
         "python": sys.version.split()[0],
     }
 
@@ -887,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text("".join(json.dumps(obj) + "\n" for obj in (info, *rows)))
     print(
         f"\n{drafter.label} draft, target {args.target}, {plan.max_new_tokens} new tokens, T={plan.temperature:g}, "
-        f"{len(plan.prompts)} prompts, {plan.repeats} repeat(s), {info['cpus']} CPUs, commit {info['commit'][:12]}"
+        f"{len(plan.prompts)} prompts, {plan.repeats} repeat(s), {hostinfo.summary(info)}, commit {info['commit'][:12]}"
     )
     print(format_table(rows))
     return 0

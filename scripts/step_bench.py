@@ -32,6 +32,7 @@ from specdec.models.openmp_env import set_openmp_defaults
 
 set_openmp_defaults()  # before torch loads, as the services do
 
+import hostinfo
 import numpy as np
 import torch
 
@@ -149,7 +150,10 @@ def main() -> None:
     loaded_at = time.perf_counter()
     runner = _load(args.threads, args.calibrate_max_rows, args.layout)
     bench = Bench(runner, args.context, args.seed)
-    print(f"loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s; ragged: {runner._ragged_ok()}")
+    print(
+        f"{hostinfo.summary(hostinfo.describe())}; loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s;"
+        f" ragged: {runner._ragged_ok()}"
+    )
     for first in (True, False):  # warm every shape once
         for n, r in shapes:
             bench.compare(bench.items(n, r, r), first)
