@@ -83,7 +83,7 @@ def ragged_attention(
     if ragged is None:
         raise RuntimeError("ragged attention called outside ragged_forward")
     outputs: list[torch.Tensor | None] = [None] * len(ragged.segments)
-    prefixed: dict[tuple[int, int], list[int]] = {}  # (prefix storage, length) -> segment indices
+    prefixed: dict[tuple[int, int], list[int]] = {}  # (id of the prefix's root, length) -> segment indices
     for index, seg in enumerate(ragged.segments):
         rows = slice(seg.start, seg.end)
         layer = seg.kv.layers[module.layer_idx]
@@ -93,7 +93,7 @@ def ragged_attention(
             outputs[index], _ = sdpa_attention_forward(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
         else:
             layer.append(key[:, :, rows], value[:, :, rows])
-            prefixed.setdefault((layer.prefix_keys.data_ptr(), layer.prefix_len), []).append(index)
+            prefixed.setdefault((id(layer.prefix_root), layer.prefix_len), []).append(index)
     for group in prefixed.values():
         segments = [ragged.segments[i] for i in group]
         for index, out in zip(group, _after_prefix(module, query, segments, kwargs.get("scaling")), strict=True):

@@ -117,6 +117,12 @@ class SessionKVCache:
                 del self._readers[id(root)]
                 self._tokens -= root.length
 
+    def recharge(self, session_id: str) -> None:
+        """The entry's keys/values changed layout in place (`kv_cache.fork_cache` moved its first
+        positions into a shared prefix): its charge is taken anew, its LRU place kept."""
+        self._uncharge(session_id)
+        self._charge(session_id, self._entries[session_id])
+
     def drop(self, session_id: str) -> None:
         self.take(session_id)
 
@@ -458,12 +464,9 @@ class ModelRunner:
                 kv.crop(shared - len(source.token_ids))
         elif not self._stores_once(shared):
             kv = copy_cache(source.kv, shared, self.model.config)
-        elif shared_prefix(source.kv)[0] is None:
-            self.cache.take(session)  # its first positions move into the prefix: charged anew
-            kv = fork_cache(source.kv, shared, self.model.config)
-            self.cache.put(session, source)
         else:
             kv = fork_cache(source.kv, shared, self.model.config)
+            self.cache.recharge(session)  # a source without a prefix moved its first positions into one
         return _CacheEntry(list(source.token_ids[:shared]), kv)
 
     def _stores_once(self, shared: int) -> bool:
