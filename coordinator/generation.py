@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.pools import PoolInfo
 from coordinator.requests import RequestParams, check_request_work, prompt_token_ids, validate_request
-from coordinator.resume import check_resume_request, generation_record, resumable_tokens, resumed
+from coordinator.resume import check_resume_request, generation_record, resumable_tokens, resumed, tokens_held
 from coordinator.sessions import SessionLease, SessionRecord, SessionStore
 from coordinator.settings import CoordinatorSettings
 from specdec.core.engine import GenerationSpec, RoundEvent, Sample, SpeculativeEngine, Stats, batches, new_samples
@@ -50,7 +50,8 @@ class Generation:
     session_id: str  # "" for num_samples > 1 and in-process calls
     lease: SessionLease | None
     first_round: int = 0  # a resumed generation continues its seeded stream of rounds here
-    resumed_tokens: int = 0  # tokens a resumed generation had sent before this call
+    resumed_tokens: int = 0  # tokens a resumed generation had stored before this call
+    held_tokens: int = 0  # of those, the ones its client holds: a stream sends the rest again
     saved: bool = False  # the session has been stored (a new one exists only from its first save)
     draft_down: bool = False  # K > 0 asked for, the draft pool down: every round is a fallback
     arrived: float = field(default_factory=time.perf_counter)  # the call's start, for time to first token
@@ -108,7 +109,7 @@ class Generator:
 
     def start(self, request, deadline: Deadline, streaming: bool, stack: ExitStack, tenant: str = "") -> Generation:
         if request.resume:
-            return self._resume(request, deadline, stack, tenant)
+            return self._resume(request, deadline, stack, tenant, streaming)
         params = validate_request(request, self.settings, streaming)
         pools = self.pool_info(deadline, params.num_speculative_tokens > 0)
         if params.num_speculative_tokens > 0 and pools.compatible_error:
@@ -127,9 +128,9 @@ class Generator:
         stats = RoundStats(prompt_tokens=len(prompt))
         return Generation(spec, samples, stats, deadline, session_id, lease, draft_down=draft_down)
 
-    def _resume(self, request, deadline: Deadline, stack: ExitStack, tenant: str) -> Generation:
+    def _resume(self, request, deadline: Deadline, stack: ExitStack, tenant: str, streaming: bool) -> Generation:
         """The interrupted generation of `request.session_id`, from where it last saved."""
-        check_resume_request(request)
+        check_resume_request(request, streaming)
         session_id, lease, record = self._session(request, 1, tenant, stack)
         left = resumable_tokens(record.generation)
         pools = self.pool_info(deadline, left > 0 and record.generation["k"] > 0)
@@ -150,6 +151,7 @@ class Generator:
             lease,
             first_round,
             resumed_tokens,
+            tokens_held(request, resumed_tokens),
             draft_down=draft_down,
         )
 
@@ -294,19 +296,19 @@ class Generator:
     def _completion(self, gen: Generation, sample: Sample) -> coordinator_pb2.Completion:
         """What this call generated (a resumed call: only what it added)."""
         text = self.engine.text_of(sample)
-        earlier = self._sent_text(gen, sample)
+        earlier = self._sent_text(gen, sample, gen.resumed_tokens)
         return coordinator_pb2.Completion(
             text=text.removeprefix(earlier),
             token_ids=sample.generated[gen.resumed_tokens :],
             finish_reason=sample.finish_reason,
         )
 
-    def _sent_text(self, gen: Generation, sample: Sample) -> str:
-        """The text an interrupted stream had delivered before this call resumed it."""
-        if not gen.resumed_tokens:
+    def _sent_text(self, gen: Generation, sample: Sample, tokens: int) -> str:
+        """The text an interrupted stream had delivered with its first `tokens` tokens."""
+        if not tokens:
             return ""
         # What a stream holding back partial characters and stop-string prefixes had sent by then.
-        return TextStream(gen.spec.stop).delta(self.engine.decode(sample.generated[: gen.resumed_tokens]), False)
+        return TextStream(gen.spec.stop).delta(self.engine.decode(sample.generated[:tokens]), False)
 
     def stream(
         self, request, deadline: Deadline, is_active: Callable[[], bool], tenant: str = ""
@@ -325,11 +327,19 @@ class Generator:
 
     def _chunks(self, gen: Generation, is_active: Callable[[], bool], span) -> Iterator[coordinator_pb2.GenerateChunk]:
         (sample,) = gen.samples
-        text = TextStream(gen.spec.stop, self._sent_text(gen, sample))
+        text = TextStream(gen.spec.stop, self._sent_text(gen, sample, gen.held_tokens))
         ids = {"session_id": gen.session_id, "seed": gen.spec.seed}
+        offset = gen.held_tokens
+        if offset < gen.resumed_tokens:  # stored chunks that never reached the client: again, first
+            missed = sample.generated[offset : gen.resumed_tokens]
+            delta = text.delta(self.engine.text_of(sample), False)
+            yield coordinator_pb2.GenerateChunk(text=delta, token_ids=missed, token_offset=offset, **ids)
+            offset += len(missed)
         for event in self.rounds(gen, is_active, streaming=True):
             delta = text.delta(self.engine.text_of(sample), not sample.running)
-            yield coordinator_pb2.GenerateChunk(text=delta, token_ids=event.new_tokens.get(sample.index, []), **ids)
+            new = event.new_tokens.get(sample.index, [])
+            yield coordinator_pb2.GenerateChunk(text=delta, token_ids=new, token_offset=offset, **ids)
+            offset += len(new)
         generated = len(sample.generated) - gen.resumed_tokens
         self._finished(gen, generated, span)
         yield coordinator_pb2.GenerateChunk(
@@ -337,5 +347,6 @@ class Generator:
             done=True,
             finish_reason=sample.finish_reason,
             stats=stats_to_proto(gen.stats, generated),
+            token_offset=offset,
             **ids,
         )

@@ -142,6 +142,8 @@ def validate_request(
         raise InvalidArgument("chat applies to a text prompt, not to prompt_token_ids")
     if request.messages:
         _check_messages(request)
+    if request.HasField("received_tokens"):
+        raise InvalidArgument("received_tokens applies to a resume request only")
     params = RequestParams(sampling, max_new, k, num_samples, auto_k=auto_k and k > 0)
     # Token ids are context already known: their share of the work is checked now.
     check_request_work(params, len(request.prompt_token_ids), s)

@@ -17,8 +17,8 @@ from specdec.core.sampling import Sampling
 from specdec.v1 import coordinator_pb2
 
 _VERSION = 1
-# Fields a resume request may set besides `session_id` and `resume`.
-_ALLOWED = {"session_id", "resume"}
+# The fields a resume request may set.
+_ALLOWED = {"session_id", "resume", "received_tokens"}
 
 
 def generation_record(spec: GenerationSpec, sample: Sample, next_round: int) -> dict | None:
@@ -39,14 +39,27 @@ def generation_record(spec: GenerationSpec, sample: Sample, next_round: int) -> 
     }
 
 
-def check_resume_request(request: coordinator_pb2.GenerateRequest) -> None:
-    """InvalidArgument unless the request names a session and sets nothing else: a resumed
-    generation keeps every parameter of the one it finishes."""
+def check_resume_request(request: coordinator_pb2.GenerateRequest, streaming: bool) -> None:
+    """InvalidArgument unless the request names a session and sets nothing else (but what the
+    client received, on a stream): a resumed generation keeps every parameter of the one it
+    finishes."""
     if not request.session_id:
         raise InvalidArgument("resume needs the session_id of the interrupted generation")
     extra = sorted(field.name for field, _ in request.ListFields() if field.name not in _ALLOWED)
     if extra:
         raise InvalidArgument(f"resume continues the interrupted request as it was: leave {', '.join(extra)} unset")
+    if request.HasField("received_tokens"):
+        if not streaming:
+            raise InvalidArgument("received_tokens applies to a resumed GenerateStream (its chunks say where they go)")
+        if request.received_tokens < 0:
+            raise InvalidArgument(f"received_tokens must be >= 0, got {request.received_tokens}")
+
+
+def tokens_held(request: coordinator_pb2.GenerateRequest, stored: int) -> int:
+    """How many of the `stored` tokens of the interrupted generation the client holds: the resumed
+    stream sends the rest again. A client holding more than was stored drops the excess (the
+    chunks' token_offset tells it), since the stream generates those again."""
+    return min(request.received_tokens, stored) if request.HasField("received_tokens") else stored
 
 
 def resumable_tokens(record: dict | None) -> int:

@@ -111,9 +111,10 @@ class SpecdecClient:
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[coordinator_pb2.GenerateChunk]:
         return self._call(self.stub.GenerateStream, build_request(prompt, **kwargs))
 
-    def resume(self, session_id: str) -> Iterator[coordinator_pb2.GenerateChunk]:
-        """Stream the rest of the session's interrupted generation (README "Sessions")."""
-        request = coordinator_pb2.GenerateRequest(session_id=session_id, resume=True)
+    def resume(self, session_id: str, received_tokens: int | None = None) -> Iterator[coordinator_pb2.GenerateChunk]:
+        """Stream the rest of the session's interrupted generation (README "Sessions"); given how
+        many of its tokens were received, first those stored but never received."""
+        request = coordinator_pb2.GenerateRequest(session_id=session_id, resume=True, received_tokens=received_tokens)
         return self._call(self.stub.GenerateStream, request)
 
     def get_session(self, session_id: str) -> coordinator_pb2.Session:

@@ -232,11 +232,12 @@ def stored_tokens(redis_url: str, prefix: str, session_id: str) -> list[int] | N
     return None if data is None else np.frombuffer(data, dtype="<i4").tolist()
 
 
-def wait_stored(redis_url: str, prefix: str, session_id: str, timeout_s: float = 10.0) -> list[int]:
-    """The session's tokens once Redis holds it: a stream saves a round only after sending its
-    chunk, so a fault injected right after the first chunk could otherwise precede every save."""
+def wait_stored(redis_url: str, prefix: str, session_id: str, timeout_s: float = 10.0, at_least: int = 0) -> list[int]:
+    """The session's tokens once Redis holds it (and `at_least` tokens): a stream saves a round
+    only after sending its chunk, so a fault injected right after the first chunk could otherwise
+    precede every save."""
     deadline = time.monotonic() + timeout_s
-    while (tokens := stored_tokens(redis_url, prefix, session_id)) is None:
+    while (tokens := stored_tokens(redis_url, prefix, session_id)) is None or len(tokens) < at_least:
         assert time.monotonic() < deadline, f"session {session_id} never stored"
         time.sleep(0.002)
     return tokens

@@ -21,6 +21,7 @@ from specdec.client import SpecdecClient, build_request
 from specdec.core.engine import SpeculativeEngine
 from specdec.core.errors import ServiceError, Unavailable
 from specdec.core.protocols import NO_DEADLINE
+from specdec.core.text import TextStream
 from specdec.models.sources import load_tokenizer
 from specdec.v1 import coordinator_pb2
 from target_service.verifier import LocalVerifier
@@ -101,6 +102,73 @@ def test_a_cut_stream_stores_exactly_what_was_sent_and_resume_finishes_it_as_if_
     with pytest.raises(grpc.RpcError) as nothing_left:
         coordinator_stub.Generate(resume)
     assert nothing_left.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _reassembled(held: list[int], chunks) -> list[int]:
+    """What a client holding `held` keeps after a resumed stream: each chunk goes at its token_offset."""
+    tokens = list(held)
+    for chunk in chunks:
+        tokens[chunk.token_offset :] = chunk.token_ids
+    return tokens
+
+
+def test_chunks_say_where_their_tokens_go(generator_for):
+    chunks = list(generator_for(None).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True))
+    offsets = [c.token_offset for c in chunks]
+    assert offsets == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+
+
+@pytest.mark.parametrize("lost", [1, 3], ids=["a-token", "chunks"])
+def test_a_resume_sends_first_the_stored_tokens_the_client_never_received(
+    generator_for, coordinator_stub, tiny_stack, tiny_model_dirs, lost
+):
+    """A chunk can be stored and lost on the wire when its coordinator dies: the client says what
+    it received, and the resumed stream sends the rest of what was stored again, text included."""
+    uncut = list(generator_for(None).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True))
+    reference = [t for c in uncut for t in c.token_ids]
+    session_id, received, _ = _cut_stream(generator_for(fail_at=4), build_request(PROMPT, **REQUEST))
+    held = received[: len(received) - lost]
+    with SpecdecClient(tiny_stack.coordinator_address) as client:
+        chunks = list(client.resume(session_id, received_tokens=len(held)))
+    assert chunks[0].token_offset == len(held) and list(chunks[0].token_ids) == received[len(held) :]
+    assert held + [t for c in chunks for t in c.token_ids] == reference
+    decoded = load_tokenizer(tiny_model_dirs["target"]).decode(held, skip_special_tokens=True)
+    held_text = TextStream(()).delta(decoded, False)  # what the stream had sent with those tokens
+    assert held_text + "".join(c.text for c in chunks) == "".join(c.text for c in uncut)
+    assert chunks[-1].stats.generated_tokens == len(reference) - len(received)  # replayed, not generated
+
+
+def test_a_client_holding_more_than_was_stored_is_told_where_the_resumed_stream_starts(
+    generator_for, coordinator_stub, tiny_stack
+):
+    reference = [
+        t
+        for c in generator_for(None).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True)
+        for t in c.token_ids
+    ]
+    session_id, received, _ = _cut_stream(generator_for(fail_at=4), build_request(PROMPT, **REQUEST))
+    extra = reference[len(received) : len(received) + 1]  # as if the unsaved round had arrived
+    with SpecdecClient(tiny_stack.coordinator_address) as client:
+        chunks = list(client.resume(session_id, received_tokens=len(received) + len(extra)))
+    assert chunks[0].token_offset == len(received)
+    assert _reassembled(received + extra, chunks) == reference
+
+
+def test_received_tokens_belongs_to_a_resumed_stream(generator_for, coordinator_stub):
+    session_id, received, _ = _cut_stream(generator_for(fail_at=3), build_request(PROMPT, **REQUEST))
+    unary = lambda request: coordinator_stub.Generate(request)
+    stream = lambda request: list(coordinator_stub.GenerateStream(request))
+    refused_calls = {
+        "unary": (unary, {"resume": True, "received_tokens": 1}),
+        "negative": (stream, {"resume": True, "received_tokens": -1}),
+        "not a resume": (stream, {"prompt": "more", "received_tokens": 1}),
+    }
+    for call, fields in refused_calls.values():
+        with pytest.raises(grpc.RpcError) as refused:
+            call(coordinator_pb2.GenerateRequest(session_id=session_id, **fields))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "received_tokens" in refused.value.details()
+    stored = coordinator_stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session_id))
+    assert list(stored.token_ids) == PROMPT + received  # refusals leave the session as it was
 
 
 def test_a_chunk_whose_send_failed_is_not_stored(generator_for, coordinator_stub):

@@ -20,7 +20,11 @@ def json_lines():
     logger = logging.getLogger("specdec.test_logs")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    # An in-process Generator called by an earlier test binds its session in this thread's context.
+    ids = logs.request_id.set(""), logs.session_id.set("")
     yield logger, lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    logs.request_id.reset(ids[0])
+    logs.session_id.reset(ids[1])
     logger.removeHandler(handler)
 
 
