@@ -148,7 +148,11 @@ def _own_mask(n: int, own: int, rows: torch.Tensor) -> torch.Tensor | None:
 
 
 def _flash(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [1, H, R, D], log-sum-exp [1, H, R] float32): the CPU flash kernel F.sdpa runs."""
+    """(output [1, H, R, D], log-sum-exp [1, H, R] float32): the CPU flash kernel F.sdpa runs.
+
+    Called directly, the kernel skips F.sdpa's checks and reads a strided last dimension wrongly:
+    a (W @ x^T)^T projection's one-row query is such a view (`cpu_layout`, WEIGHT_MAJOR)."""
+    query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, keys, values, 0.0, False, attn_mask=mask, scale=scale
     )

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from specdec.models import runner as runner_module
+from specdec.models.cpu_layout import planned_linears
 from specdec.models.kv_cache import ReservedLayer, fork_cache, new_cache, shared_prefix
+from specdec.models.layouts import WEIGHT_MAJOR
 from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
 
 ATOL = 1e-5
@@ -64,6 +66,36 @@ def test_samples_of_one_prompt_store_it_once_and_compute_what_they_would_alone(t
         steps = [StepItem(s, [*runner.cache.token_ids(s), 2, 3], 2) for s in sessions]
         for got, item in zip(runner.step(steps), steps, strict=True):
             _same_as_alone(got, alone, item.token_ids, item.num_last)
+
+
+@pytest.fixture
+def weight_major(tiny_loaded):
+    """The tiny target with every linear as (W @ x^T)^T, a layout the services choose for some row
+    counts: its outputs are transposed views, so a query's last dimension is not contiguous."""
+    model = tiny_loaded["target"].runner.model
+    plans = {id(linear.plan): linear.plan for group in planned_linears(model).values() for linear in group}
+    assert plans, "the loaded target's linears are planned"
+    kept = {key: (plan.default, plan.by_rows) for key, plan in plans.items()}
+    for plan in plans.values():
+        plan.default, plan.by_rows = WEIGHT_MAJOR, {}
+    yield model
+    for key, plan in plans.items():
+        plan.default, plan.by_rows = kept[key]
+
+
+def test_the_prefix_is_read_right_whatever_the_layout_of_the_query(weight_major, stored_once):
+    """The flash kernel cascade attention calls takes its inputs' strides on trust: a query whose
+    last dimension is strided gave logits 1e-1 off (caught on SmolLM2, 8 sessions a step)."""
+    runner, alone = _runner(weight_major), _runner(weight_major)
+    runner.last_logits("first", [*PROMPT, 1, 2, 3], 1)
+    sessions = ["second", "third", "fourth"]
+    # Decodes (one row each, where a reshape keeps the strided view) beside a verify, then alone.
+    items = [StepItem("second", [*PROMPT, 4], 1), StepItem("third", [*PROMPT, 5], 1), StepItem("fourth", [*PROMPT, 6, 2], 2)]
+    for _ in range(2):
+        for got, item in zip(runner.step(items), items, strict=True):
+            _same_as_alone(got, alone, item.token_ids, item.num_last)
+        items = [StepItem(s, [*runner.cache.token_ids(s), 7], 1) for s in sessions]
+    assert len(_roots(runner, ["first", *sessions])) == 1
 
 
 def test_a_session_under_a_cached_prompt_reads_it_and_the_source_still_matches(tiny_loaded, stored_once):
