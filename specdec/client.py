@@ -55,6 +55,16 @@ def build_request(
     return request
 
 
+def reassembled(held: Sequence[int], chunks) -> list[int]:
+    """The generation's tokens once a (resumed) stream's chunks are placed at their token_offset
+    after the `held` ones: a resumed stream may send stored tokens again, or restart before the
+    end of `held` (those were never stored)."""
+    tokens = list(held)
+    for chunk in chunks:
+        tokens[chunk.token_offset :] = chunk.token_ids
+    return tokens
+
+
 class SpecdecClient:
     """Generate / stream / manage sessions on a coordinator.
 

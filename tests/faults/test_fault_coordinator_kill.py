@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from faults import fault_harness as harness
+from specdec.client import reassembled
 from specdec.v1 import coordinator_pb2
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -60,10 +61,7 @@ def _resume(client, session_id: str, received: list[int]) -> tuple[list[int], in
                 raise
             time.sleep(0.1)
             continue
-        tokens = list(received)
-        for chunk in chunks:  # each chunk's tokens go at its offset
-            tokens[chunk.token_offset :] = chunk.token_ids
-        return tokens, attempt, chunks[-1]
+        return reassembled(received, chunks), attempt, chunks[-1]
     raise AssertionError("the session stayed busy")
 
 

@@ -17,7 +17,7 @@ from coordinator.pools import PoolInfo
 from coordinator.sessions import SessionStore
 from coordinator.settings import CoordinatorSettings
 from draft_service.served import served
-from specdec.client import SpecdecClient, build_request
+from specdec.client import SpecdecClient, build_request, reassembled
 from specdec.core.engine import SpeculativeEngine
 from specdec.core.errors import ServiceError, Unavailable
 from specdec.core.protocols import NO_DEADLINE
@@ -104,14 +104,6 @@ def test_a_cut_stream_stores_exactly_what_was_sent_and_resume_finishes_it_as_if_
     assert nothing_left.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def _reassembled(held: list[int], chunks) -> list[int]:
-    """What a client holding `held` keeps after a resumed stream: each chunk goes at its token_offset."""
-    tokens = list(held)
-    for chunk in chunks:
-        tokens[chunk.token_offset :] = chunk.token_ids
-    return tokens
-
-
 def test_chunks_say_where_their_tokens_go(generator_for):
     chunks = list(generator_for(None).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True))
     offsets = [c.token_offset for c in chunks]
@@ -151,7 +143,7 @@ def test_a_client_holding_more_than_was_stored_is_told_where_the_resumed_stream_
     with SpecdecClient(tiny_stack.coordinator_address) as client:
         chunks = list(client.resume(session_id, received_tokens=len(received) + len(extra)))
     assert chunks[0].token_offset == len(received)
-    assert _reassembled(received + extra, chunks) == reference
+    assert reassembled(received + extra, chunks) == reference
 
 
 def test_received_tokens_belongs_to_a_resumed_stream(generator_for, coordinator_stub):
