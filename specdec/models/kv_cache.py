@@ -20,7 +20,9 @@ prefix and to the layer's own positions separately and merging the two by their 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import DynamicCache
@@ -145,9 +147,25 @@ class ReservedLayer(DynamicLayer):
 def new_cache(config) -> DynamicCache:
     """A DynamicCache for `config` whose full-attention layers are ReservedLayers (sliding-window
     and other layer kinds stay as transformers makes them)."""
-    cache = DynamicCache(config=config)
-    cache.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache = DynamicCache()  # layers set below, as DynamicCache(config=) would, without reading the config again
+    cache.layers = [make() for make in _layer_makers(config)]
+    cache.layer_class_to_replicate = None
     return cache
+
+
+_LAYER_MAKERS: dict[int, tuple[object, list]] = {}  # id(config) -> (config, per layer: a maker of an empty one)
+
+
+def _layer_makers(config) -> list:
+    """How each layer of `config`'s caches is made, read from the config once: transformers reads
+    it through slow attribute hooks on every DynamicCache(config=), a fifth of the step time of a
+    request with thousands of samples, each a new session."""
+    known = _LAYER_MAKERS.get(id(config))
+    if known is None or known[0] is not config:
+        empty = DynamicCache(config=config).layers
+        makers = [ReservedLayer if type(layer) is DynamicLayer else partial(copy.deepcopy, layer) for layer in empty]
+        known = _LAYER_MAKERS[id(config)] = (config, makers)
+    return known[1]
 
 
 def shareable(cache) -> bool:
