@@ -1,4 +1,4 @@
-"""What K policies and model-free drafters can gain at T = 0, by exact replay instead of timing.
+"""What K policies and model-free drafters can gain, by exact replay instead of timing.
 
 At temperature 0 a round's outcome is a pure function of the prefix: the target's next tokens are
 its greedy continuation, and a model-free drafter's proposal (ngram, suffix) is deterministic. So
@@ -10,6 +10,12 @@ measures at start, `ModelInfo.forward_cost_ms`) plus a fixed per-call overhead, 
 (`AdaptiveK`) is fed those times as it would be by the engine. The noise of a 2-core VM (+-30%,
 +-0.2x per conversation in the timed bench) is absent, and --noise adds it back on purpose.
 
+At T > 0 the same holds for these point-mass drafters, in law: a draft token x is accepted with
+chance p(x), and when it is rejected the token emitted instead is drawn from p without x, so "x
+accepted" is exactly "the target's own sample is x". One K = 0 generation sampled at T
+(`--temperature`, --seeds of them per conversation) therefore replays every policy as one real run
+at T would go: accepted = the proposal's common prefix with the sampled continuation.
+
 Two uses:
 - the ceiling: with every Verify length costing a 1-row forward (`--curve flat`), the ratio to K=0
   is the tokens per round alone; no kernel, machine or policy can beat it for that drafter;
@@ -18,6 +24,7 @@ Two uses:
   python scripts/kpolicy_replay.py --record traces.json            # loads the default target (minutes)
   python scripts/kpolicy_replay.py --replay traces.json            # the tables, in a second
   python scripts/kpolicy_replay.py --replay traces.json --curve flat --noise 0.15
+  python scripts/kpolicy_replay.py --record t1.json --temperature 1 --seeds 2   # sampled at T = 1
 
 Multi-turn conversations replay their first turn only (later turns need the session's history).
 """
@@ -127,16 +134,15 @@ def print_table(rows: list[dict], curve_ms: Sequence[float]) -> None:
         print(f"{row['drafter']:<8} {row['workload']:<16} {cells}  {row['auto_min']:.2f}")
 
 
-def record(path: Path, per_workload: int, max_new_tokens: int, k_max: int) -> None:
-    """Greedy K = 0 generations of the workloads' first turns with the default target, and each
-    drafter's proposal at every position (the drafters as the draft service builds them)."""
+def record(path: Path, per_workload: int, max_new_tokens: int, k_max: int, temperature: float, seeds: int) -> None:
+    """K = 0 generations of the workloads' first turns with the default target (greedy, or sampled
+    at `temperature` with seeds 0..seeds-1), and each drafter's proposal at every position (the
+    drafters as the draft service builds them)."""
     from workloads import build_workloads
 
     from coordinator.requests import chat_turn_text
     from draft_service.loading import load_draft
     from draft_service.settings import DraftSettings
-    from specdec.core.protocols import NO_DEADLINE, DraftRequest
-    from specdec.core.sampling import Sampling
     from specdec.inprocess import InProcessPipeline
     from specdec.models.sources import DEFAULT_MODEL
     from specdec.settings import load_settings
@@ -147,35 +153,48 @@ def record(path: Path, per_workload: int, max_new_tokens: int, k_max: int) -> No
         name: load_draft(load_settings(DraftSettings, [], {}, model=name, tokenizer=DEFAULT_MODEL), tokenizer).drafter
         for name in DRAFTERS
     }
-    trace = {"forward_cost_ms": list(pipeline.target.info.forward_cost_ms), "k_max": k_max, "conversations": []}
+    trace = {
+        "forward_cost_ms": list(pipeline.target.info.forward_cost_ms),
+        "k_max": k_max,
+        "temperature": temperature,
+        "conversations": [],
+    }
     for conversation in build_workloads(per_workload=per_workload):
         prompt = tokenizer(chat_turn_text(tokenizer, conversation.prompt, False), add_special_tokens=False)
         ids = prompt["input_ids"]
-        response = pipeline.generate(ids, temperature=0.0, num_speculative_tokens=0, max_new_tokens=max_new_tokens)
-        generated = list(response.completions[0].token_ids)
         prefill_ms = _prefill_ms(pipeline.target.runner, ids)
-        proposals = {
-            name: [
-                list(
-                    drafter.propose(
-                        [DraftRequest(conversation.name, ids + generated[:t], k_max, 0)], Sampling(0.0), NO_DEADLINE
-                    )[0].draft_token_ids
-                )
-                for t in range(len(generated))
-            ]
-            for name, drafter in drafters.items()
-        }
-        trace["conversations"].append(
-            {
-                "workload": conversation.workload,
-                "name": conversation.name,
-                "prefill_ms": prefill_ms,
-                "generated": generated,
-                "proposals": proposals,
-            }
-        )
-        print(f"recorded {conversation.workload} {conversation.name}: {len(generated)} tokens", file=sys.stderr)
+        for seed in range(seeds if temperature > 0 else 1):
+            response = pipeline.generate(
+                ids, temperature=temperature, seed=seed, num_speculative_tokens=0, max_new_tokens=max_new_tokens
+            )
+            generated = list(response.completions[0].token_ids)
+            name = conversation.name if temperature == 0 else f"{conversation.name}#{seed}"
+            trace["conversations"].append(
+                {
+                    "workload": conversation.workload,
+                    "name": name,
+                    "prefill_ms": prefill_ms,
+                    "generated": generated,
+                    "proposals": {
+                        drafter_name: proposals(drafter, conversation.name, ids, generated, k_max)
+                        for drafter_name, drafter in drafters.items()
+                    },
+                }
+            )
+            print(f"recorded {conversation.workload} {name}: {len(generated)} tokens", file=sys.stderr)
     path.write_text(json.dumps(trace))
+
+
+def proposals(drafter, key: str, ids: list[int], generated: list[int], k_max: int) -> list[list[int]]:
+    """The drafter's proposal (up to k_max tokens) after each prefix ids + generated[:t]."""
+    from specdec.core.protocols import NO_DEADLINE, DraftRequest
+    from specdec.core.sampling import Sampling
+
+    def at(t: int) -> list[int]:
+        (drafted,) = drafter.propose([DraftRequest(key, ids + generated[:t], k_max, 0)], Sampling(0.0), NO_DEADLINE)
+        return list(drafted.draft_token_ids)
+
+    return [at(t) for t in range(len(generated))]
 
 
 def _prefill_ms(runner, ids: list[int]) -> float:
@@ -197,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-workload", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0, help="record: sample at this temperature")
+    parser.add_argument("--seeds", type=int, default=2, help="record at T > 0: sampled generations per conversation")
     parser.add_argument("--curve", default="measured", help="measured (the trace's), flat, or comma ms by rows")
     parser.add_argument("--call-ms", type=float, default=1.0, help="per-call overhead")
     parser.add_argument("--noise", type=float, default=0.0, help="lognormal sigma on each Verify")
@@ -206,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.record:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        record(args.record, args.per_workload, args.max_new_tokens, args.k_max)
+        record(args.record, args.per_workload, args.max_new_tokens, args.k_max, args.temperature, args.seeds)
     if not args.replay:
         return 0
     trace = json.loads(args.replay.read_text())

@@ -65,3 +65,12 @@ def test_the_table_has_every_policy_and_k0_is_the_unit(monkeypatch):
     (row,) = table(trace, flat, 4, 1)
     assert row["K=0"] == 1.0 and row["K=4"] > row["K=1"] > 1.0  # perfect drafts, free extra rows
     assert 1.0 <= row["auto"] <= row["K=4"] and row["auto_min"] == row["auto"]
+
+
+def test_proposals_are_the_drafter_s_after_each_prefix_of_the_generation():
+    from draft_service.ngram import NgramDrafter
+
+    ids, generated = [7, 8, 9, 7], [8, 9, 5]
+    made = replay_mod.proposals(NgramDrafter(1, 2), "conversation", ids, generated, 3)
+    # After [7, 8, 9, 7] the last 7 matched at 0: propose 8, 9, 7; then [.., 7, 8] matched at 0-1: 9, 7, 8.
+    assert made[:2] == [[8, 9, 7], [9, 7, 8]] and len(made) == len(generated)
