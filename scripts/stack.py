@@ -1,7 +1,8 @@
 """Run the whole stack as local processes: Redis, target, draft, coordinator, and the
 OpenAI-compatible gateway (HTTP, port 8000).
 
-  python scripts/stack.py run    start everything, generate for a demo prompt, print text and stats, stop
+  python scripts/stack.py run    start everything, generate for a demo prompt, print text and stats,
+                                 compare speculation with the target alone, stop
   python scripts/stack.py up     start everything and leave it running (state in .run/)
   python scripts/stack.py down   stop what `up` started
 
@@ -9,7 +10,9 @@ Environment: SPECDEC_TARGET_MODEL / SPECDEC_DRAFT_MODEL choose the pair (default
 packaged SmolLM2-135M-Instruct as target, and the model-free `suffix` draft over the target's
 tokenizer, the best measured configuration for a mixed workload: README "Speed, honestly"),
 REDIS_URL uses an existing Redis, SPECDEC_DEMO_PROMPT changes the demo prompt and SPECDEC_DEMO_K
-its K (default: auto). Other SPECDEC_* variables reach the services as their settings.
+its K (default: auto). Without SPECDEC_DEMO_PROMPT, `run` then compares speculation with the target
+alone on an input-grounded prompt (`specdec compare`). Other SPECDEC_* variables reach the services
+as their settings.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from draft_service.settings import MODEL_FREE, SUFFIX_MODEL  # noqa: E402
-from specdec.local_redis import free_port, start_redis, wait_for_redis  # noqa: E402
-from specdec.models.sources import DEFAULT_MODEL  # noqa: E402
+from draft_service.settings import MODEL_FREE, SUFFIX_MODEL
+from specdec.local_redis import free_port, start_redis, wait_for_redis
+from specdec.models.sources import DEFAULT_MODEL
 
 RUN_DIR = ROOT / ".run"
 STATE = RUN_DIR / "stack.json"
@@ -168,6 +171,16 @@ def down() -> None:
     STATE.unlink()
 
 
+GROUNDED_DEMO = "An input-grounded prompt (add type hints to textwrap.indent, whose answer copies the code)"
+
+
+def _grounded_prompt() -> str:
+    import inspect
+    import textwrap
+
+    return f"Add type hints to this Python function. Reply with the code only.\n\n{inspect.getsource(textwrap.indent)}"
+
+
 def run() -> int:
     print("starting redis, target, draft, coordinator and gateway (first start loads the models: ~1 min)")
     state = up()
@@ -177,9 +190,12 @@ def run() -> int:
         print(f"\nprompt: {DEMO_PROMPT}\n")
         argv = ["generate", DEMO_PROMPT, "--address", state["coordinator"], "--chat", "--max-new-tokens", "64"]
         argv += ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]
-        if os.environ.get("SPECDEC_DEMO_K"):  # unset: the coordinator's default, auto K
-            argv += ["-k", os.environ["SPECDEC_DEMO_K"]]
-        return cli(argv)
+        k = ["-k", os.environ["SPECDEC_DEMO_K"]] if os.environ.get("SPECDEC_DEMO_K") else []  # unset: auto K
+        code = cli(argv + k)
+        if code == 0 and not os.environ.get("SPECDEC_DEMO_PROMPT"):
+            print(f"\nDoes it pay? {GROUNDED_DEMO}, run with speculation, then by the target alone (T = 0):\n")
+            code = cli(["compare", _grounded_prompt(), "--address", state["coordinator"], "--chat", *k])
+        return code
     finally:
         print()
         down()

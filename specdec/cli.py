@@ -11,6 +11,7 @@ from contextlib import ExitStack
 import grpc
 
 from specdec.client import FINISH_REASONS, SpecdecClient
+from specdec.compare import compare, format_comparison
 from specdec.core.errors import ServiceError
 from specdec.models.sources import DEFAULT_DRAFT, DEFAULT_MODEL
 
@@ -127,6 +128,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    kwargs = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "chat": args.chat,
+    }
+    with _client(args) as client:
+        speculative, alone = compare(client, args.prompt, args.k, **kwargs)
+    print(format_comparison(speculative, alone, args.k, greedy=args.temperature == 0))
+    return 0
+
+
 def _session(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.action == "delete":
@@ -171,6 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
         "default SPECDEC_DRAFT_LOOKUP)",
     )
     gen.set_defaults(func=_generate)
+    cmp = sub.add_parser(
+        "compare", help="does speculation pay on this prompt? the same request with speculation, then at K = 0"
+    )
+    cmp.add_argument("prompt")
+    add_connection_args(cmp)
+    cmp.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="K (default: the coordinator's, auto)")
+    cmp.add_argument("--max-new-tokens", type=int, default=96)
+    cmp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy: both runs emit the same tokens")
+    cmp.add_argument("--top-p", type=float, default=1.0)
+    cmp.add_argument("--seed", type=int, default=0, help="shared by both runs")
+    cmp.add_argument("--ignore-eos", action="store_true", help="both runs generate --max-new-tokens")
+    cmp.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    cmp.add_argument("--timeout", type=float, default=600.0, help="deadline of each run in seconds")
+    cmp.set_defaults(func=_compare)
     session = sub.add_parser("session", help="show or delete a stored session")
     session.add_argument("action", choices=["show", "delete"])
     session.add_argument("session_id")

@@ -26,3 +26,17 @@ def test_errors_are_one_line_with_the_status(tiny_stack, capsys):
     code = main(["generate", "a", "--address", tiny_stack.coordinator_address, "--top-p", "2"])
     assert code == 1
     assert "INVALID_ARGUMENT: top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_compare_runs_the_prompt_with_speculation_then_alone_and_leaves_no_session(tiny_stack, capsys, redis_client):
+    before = set(redis_client.scan_iter())
+    code = main(
+        ["compare", "a b c a b c a b", "--address", tiny_stack.coordinator_address, "--max-new-tokens", "12",
+         "-k", "3", "--ignore-eos"]
+    )  # fmt: skip
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].startswith("speculation, K = 3") and lines[2].startswith("target alone, K = 0")
+    assert lines[2].split()[-1] == lines[1].split()[-1] == "12"  # tokens of each run
+    assert "x the target alone; the same tokens" in lines[3]  # greedy: the target's tokens both times
+    assert set(redis_client.scan_iter()) == before
