@@ -53,9 +53,15 @@ def test_same_seed_same_output_and_stats(coordinator_stub):
     assert abs(stats.total_time_s - stats.draft_time_s - stats.verify_time_s - stats.coordinator_time_s) < 1e-3
 
 
+# A seed fixes the tokens at a fixed K only: auto K (the coordinator's default) chooses K from the
+# request's timings, so two calls of one seed may draft differently and emit other (equally lawful) tokens.
+FIXED_K = 2
+
+
 def test_unseeded_requests_report_their_seed_and_replay(coordinator_stub):
-    first = coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=12, ignore_eos=True))
-    replay = coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=12, seed=first.seed, ignore_eos=True))
+    request = {"max_new_tokens": 12, "ignore_eos": True, "num_speculative_tokens": FIXED_K}
+    first = coordinator_stub.Generate(build_request(PROMPT, **request))
+    replay = coordinator_stub.Generate(build_request(PROMPT, **request, seed=first.seed))
     assert replay.completions[0].token_ids == first.completions[0].token_ids
 
 
@@ -68,10 +74,11 @@ def test_eos_and_stop_strings_end_generation(coordinator_stub, tiny_stack):
         if c.finish_reason == coordinator_pb2.FINISH_REASON_EOS:
             assert c.token_ids[-1] == 0 and 0 not in c.token_ids[:-1]
     # Stop string: the text is cut before it and the tokens end with the one that completed it.
-    base = coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=20, seed=3, ignore_eos=True))
+    request = {"max_new_tokens": 20, "seed": 3, "ignore_eos": True, "num_speculative_tokens": FIXED_K}
+    base = coordinator_stub.Generate(build_request(PROMPT, **request))
     words = base.completions[0].text.split()
     stop = words[3]
-    stopped = coordinator_stub.Generate(build_request(PROMPT, max_new_tokens=20, seed=3, ignore_eos=True, stop=[stop]))
+    stopped = coordinator_stub.Generate(build_request(PROMPT, **request, stop=[stop]))
     completion = stopped.completions[0]
     assert completion.finish_reason == coordinator_pb2.FINISH_REASON_STOP
     assert stop not in completion.text
