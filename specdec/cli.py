@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
 from contextlib import ExitStack
 
 import grpc
@@ -82,12 +81,12 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _chunks(args: argparse.Namespace, kwargs: dict, stack: ExitStack) -> Iterator:
-    """GenerateChunks from the coordinator, or from the pipeline loaded in this process."""
+def _source(args: argparse.Namespace, stack: ExitStack):
+    """What streams GenerateChunks: a client of the coordinator, or the pipeline loaded in this
+    process (`--in-process`); both have `stream(prompt, **kwargs)`."""
     if not args.in_process:
-        client = stack.enter_context(_client(args))
-        return client.stream(args.prompt, **kwargs)
-    if args.session:
+        return stack.enter_context(_client(args))
+    if getattr(args, "session", None):
         raise SystemExit("error: --session needs the coordinator (sessions live in its Redis), not --in-process")
     from specdec.models.openmp_env import set_openmp_defaults
 
@@ -98,7 +97,7 @@ def _chunks(args: argparse.Namespace, kwargs: dict, stack: ExitStack) -> Iterato
 
     hf_logging.disable_progress_bar()  # the completion streams to the same terminal
 
-    return InProcessPipeline(args.target, args.draft or None, args.draft_lookup).stream(args.prompt, **kwargs)
+    return InProcessPipeline(args.target, args.draft or None, args.draft_lookup)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -116,7 +115,7 @@ def _generate(args: argparse.Namespace) -> int:
     }
     with ExitStack() as stack:
         last = None
-        for chunk in _chunks(args, kwargs, stack):
+        for chunk in _source(args, stack).stream(args.prompt, **kwargs):
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -137,8 +136,8 @@ def _compare(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
         "chat": args.chat,
     }
-    with _client(args) as client:
-        speculative, alone = compare(client, args.prompt, args.k, **kwargs)
+    with ExitStack() as stack:
+        speculative, alone = compare(_source(args, stack), args.prompt, args.k, **kwargs)
     print(format_comparison(speculative, alone, args.k, greedy=args.temperature == 0))
     return 0
 
@@ -152,6 +151,26 @@ def _session(args: argparse.Namespace) -> int:
         print(f"session {session.session_id}: {len(session.token_ids)} tokens, expires in {session.ttl_seconds}s")
         print(session.text)
     return 0
+
+
+def add_in_process_args(parser: argparse.ArgumentParser) -> None:
+    """--in-process and the models it loads."""
+    parser.add_argument(
+        "--in-process", action="store_true", help="load the models here and run without servers or Redis"
+    )
+    parser.add_argument("--target", default=DEFAULT_MODEL, help="--in-process: the target model")
+    parser.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help="--in-process: the draft model ('' = none, K=0 only; 'ngram' = prompt lookup, 'suffix' = "
+        "suffix trie over recent sequences: no model)",
+    )
+    parser.add_argument(
+        "--draft-lookup",
+        choices=["", "ngram", "suffix"],
+        help="--in-process: with a draft model, try this model-free draft first per sequence (hybrid; "
+        "default SPECDEC_DRAFT_LOOKUP)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,20 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--quiet", action="store_true", help="no stats")
-    gen.add_argument("--in-process", action="store_true", help="load the models here and run without servers or Redis")
-    gen.add_argument("--target", default=DEFAULT_MODEL, help="--in-process: the target model")
-    gen.add_argument(
-        "--draft",
-        default=DEFAULT_DRAFT,
-        help="--in-process: the draft model ('' = none, K=0 only; 'ngram' = prompt lookup, 'suffix' = "
-        "suffix trie over recent sequences: no model)",
-    )
-    gen.add_argument(
-        "--draft-lookup",
-        choices=["", "ngram", "suffix"],
-        help="--in-process: with a draft model, try this model-free draft first per sequence (hybrid; "
-        "default SPECDEC_DRAFT_LOOKUP)",
-    )
+    add_in_process_args(gen)
     gen.set_defaults(func=_generate)
     cmp = sub.add_parser(
         "compare", help="does speculation pay on this prompt? the same request with speculation, then at K = 0"
@@ -200,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--ignore-eos", action="store_true", help="both runs generate --max-new-tokens")
     cmp.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     cmp.add_argument("--timeout", type=float, default=600.0, help="deadline of each run in seconds")
+    add_in_process_args(cmp)
     cmp.set_defaults(func=_compare)
     session = sub.add_parser("session", help="show or delete a stored session")
     session.add_argument("action", choices=["show", "delete"])

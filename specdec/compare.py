@@ -1,7 +1,7 @@
 """Does speculation pay on this prompt? One request with speculation, then with the target alone.
 
-`specdec compare` (and `make run`'s second demo) streams one prompt twice through a coordinator,
-with the same seed and sampling: at the requested K (unset: the coordinator's default, auto K),
+`specdec compare` (and `make run`'s second demo) streams one prompt twice through a coordinator
+(or the pipeline loaded in process, `--in-process`), with the same seed and sampling: at the requested K (unset: the coordinator's default, auto K),
 then at K = 0. Each run's speed is its decode speed: the tokens after the first chunk over the time
 from the first chunk to the last. The first round is left out because it holds the prompt's
 forward, and the target keeps a prompt's KV cache for the next request that opens alike, so
@@ -10,15 +10,21 @@ answers its pod served, and must not copy the K = 0 run's.
 
 At T = 0 both runs emit the target's greedy tokens, but float rounding differs between a 1-row
 forward and a multi-row Verify, so a near-tie can go either way: the report says where the two
-first differ, if they do. The two sessions are deleted afterwards.
+first differ, if they do. The two sessions a coordinator made are deleted afterwards.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
-from specdec.client import SpecdecClient
+
+class ChunkSource(Protocol):
+    """A SpecdecClient or an InProcessPipeline: what streams a generation's GenerateChunks."""
+
+    def stream(self, prompt: str, **kwargs) -> Iterator: ...
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,9 @@ class TimedRun:
         return later / self.decode_s if later and self.decode_s > 0 else 0.0
 
 
-def timed_stream(client: SpecdecClient, prompt: str, **kwargs) -> TimedRun:
-    """Streams one generation, timing each chunk's arrival; deletes the session it made."""
+def timed_stream(client: ChunkSource, prompt: str, **kwargs) -> TimedRun:
+    """Streams one generation, timing each chunk's arrival; deletes the session it made (a
+    coordinator's; the in-process pipeline makes none)."""
     tokens: list[int] = []
     first_tokens, first_at, last_at = 0, 0.0, 0.0
     last = None
@@ -52,7 +59,7 @@ def timed_stream(client: SpecdecClient, prompt: str, **kwargs) -> TimedRun:
     return TimedRun(tokens, first_tokens, last_at - first_at, last.stats if last is not None else None)
 
 
-def compare(client: SpecdecClient, prompt: str, k: int | None = None, **kwargs) -> tuple[TimedRun, TimedRun]:
+def compare(client: ChunkSource, prompt: str, k: int | None = None, **kwargs) -> tuple[TimedRun, TimedRun]:
     """(the run at K = k, None: the coordinator's default; the run at K = 0), in that order."""
     speculative = timed_stream(client, prompt, num_speculative_tokens=k, **kwargs)
     alone = timed_stream(client, prompt, num_speculative_tokens=0, **kwargs)

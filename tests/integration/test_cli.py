@@ -40,3 +40,14 @@ def test_compare_runs_the_prompt_with_speculation_then_alone_and_leaves_no_sessi
     assert lines[2].split()[-1] == lines[1].split()[-1] == "12"  # tokens of each run
     assert "x the target alone; the same tokens" in lines[3]  # greedy: the target's tokens both times
     assert set(redis_client.scan_iter()) == before
+
+
+def test_compare_in_process_loads_the_pair_here(tiny_model_dirs, capsys):
+    code = main(
+        ["compare", "a b c a b c a b", "--in-process", "--target", tiny_model_dirs["target"], "--draft",
+         tiny_model_dirs["draft"], "--max-new-tokens", "10", "-k", "2", "--ignore-eos"]
+    )  # fmt: skip
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].startswith("speculation, K = 2") and lines[2].split()[-1] == "10"
+    assert "x the target alone; the same tokens" in lines[3]
