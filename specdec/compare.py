@@ -83,8 +83,10 @@ def format_comparison(speculative: TimedRun, alone: TimedRun, k: int | None, gre
             f"{name:<22}{run.decode_tokens_per_s:>13.2f}{run.stats.mean_tokens_per_round:>14.2f}"
             f"{acceptance:>12}{len(run.token_ids):>8}"
         )
-    ratio = speculative.decode_tokens_per_s / alone.decode_tokens_per_s if alone.decode_tokens_per_s else 0.0
-    summary = f"{ratio:.2f}x the target alone"
+    if speculative.decode_tokens_per_s and alone.decode_tokens_per_s:
+        summary = f"{speculative.decode_tokens_per_s / alone.decode_tokens_per_s:.2f}x the target alone"
+    else:  # all in the first chunk (an early EOS or stop, or a tiny --max-new-tokens): nothing to time
+        summary = "no decode speed to compare: a run ended in its first round (raise --max-new-tokens)"
     if greedy:
         differs = first_difference(speculative.token_ids, alone.token_ids)
         summary += (

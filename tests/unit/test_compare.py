@@ -57,3 +57,9 @@ def test_the_report_gives_the_ratio_and_where_greedy_runs_part():
     assert report[2].split()[-4:] == ["4.00", "1.00", "-", "5"]
     assert report[3] == "2.00x the target alone; the same tokens up to 2 (a greedy near-tie that float rounding tipped)"
     assert format_comparison(fast, slow, 4, greedy=False).splitlines()[3] == "2.00x the target alone"
+
+
+def test_a_run_over_in_its_first_round_has_no_speed_to_compare():
+    stats = SimpleNamespace(acceptance_rate=0.0, drafted_tokens=0, mean_tokens_per_round=1.0)
+    timed, short = TimedRun([1, 2, 3], 1, 0.5, stats), TimedRun([1], 1, 0.0, stats)
+    assert format_comparison(timed, short, 2, greedy=False).splitlines()[3].startswith("no decode speed to compare")
