@@ -175,6 +175,8 @@ def record(path: Path, per_workload: int, max_new_tokens: int, k_max: int, tempe
                     "name": name,
                     "prefill_ms": prefill_ms,
                     "generated": generated,
+                    # One cache key for all seeds: the suffix draft's window of that key restarts at the
+                    # prompt, so no seed's proposals read another seed's continuation.
                     "proposals": {
                         drafter_name: proposals(drafter, conversation.name, ids, generated, k_max)
                         for drafter_name, drafter in drafters.items()

@@ -1,8 +1,8 @@
 """Does speculation pay on this prompt? One request with speculation, then with the target alone.
 
 `specdec compare` (and `make run`'s second demo) streams one prompt twice through a coordinator
-(or the pipeline loaded in process, `--in-process`), with the same seed and sampling: at the requested K (unset: the coordinator's default, auto K),
-then at K = 0. Each run's speed is its decode speed: the tokens after the first chunk over the time
+(or the pipeline loaded in process, `--in-process`), with the same seed and sampling: at the
+requested K (unset: the coordinator's default, auto K), then at K = 0. Each run's speed is its decode speed: the tokens after the first chunk over the time
 from the first chunk to the last. The first round is left out because it holds the prompt's
 forward, and the target keeps a prompt's KV cache for the next request that opens alike, so
 whichever run came second would skip it. Speculation runs first: a suffix draft learns from the
@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
+
+from specdec.core.tokens import common_prefix_length
 
 
 class ChunkSource(Protocol):
@@ -68,10 +70,7 @@ def compare(client: ChunkSource, prompt: str, k: int | None = None, **kwargs) ->
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index where the two differ (a length counts), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    return None if a == b else common_prefix_length(a, b)
 
 
 def format_comparison(speculative: TimedRun, alone: TimedRun, k: int | None, greedy: bool) -> str:

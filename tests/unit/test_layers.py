@@ -11,7 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("specdec", "coordinator", "draft_service", "target_service", "gateway")
 SERVICES = ("coordinator", "draft_service", "target_service", "gateway")
-TOOLS = ("specdec.client", "specdec.cli", "specdec.compare", "specdec.inprocess", "specdec.distill", "specdec.local_redis")
+TOOLS = (
+    "specdec.client",
+    "specdec.cli",
+    "specdec.compare",
+    "specdec.inprocess",
+    "specdec.distill",
+    "specdec.local_redis",
+)
 
 
 def _modules() -> dict[str, Path]:
