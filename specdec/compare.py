@@ -2,11 +2,12 @@
 
 `specdec compare` (and `make run`'s second demo) streams one prompt twice through a coordinator
 (or the pipeline loaded in process, `--in-process`), with the same seed and sampling: at the
-requested K (unset: the coordinator's default, auto K), then at K = 0. Each run's speed is its decode speed: the tokens after the first chunk over the time
-from the first chunk to the last. The first round is left out because it holds the prompt's
-forward, and the target keeps a prompt's KV cache for the next request that opens alike, so
-whichever run came second would skip it. Speculation runs first: a suffix draft learns from the
-answers its pod served, and must not copy the K = 0 run's.
+requested K (unset: the coordinator's default, auto K), then at K = 0. Each run's speed is its
+decode speed: the tokens after the first chunk over the time from the first chunk to the last. The
+first round is left out because it holds the prompt's forward, and the target keeps a prompt's KV
+cache for the next request that opens alike, so whichever run came second would skip it.
+Speculation runs first: a suffix draft learns from the answers its pod served, and must not copy
+the K = 0 run's.
 
 At T = 0 both runs emit the target's greedy tokens, but float rounding differs between a 1-row
 forward and a multi-row Verify, so a near-tie can go either way: the report says where the two
@@ -91,6 +92,6 @@ def format_comparison(speculative: TimedRun, alone: TimedRun, k: int | None, gre
         summary += (
             "; the same tokens"
             if differs is None
-            else f"; the same tokens up to {differs} (a greedy near-tie that float rounding tipped)"
+            else f"; the tokens part at token {differs} (at T = 0 only a near-tie tipped by float rounding should)"
         )
     return "\n".join([*lines, summary])
