@@ -42,11 +42,13 @@ from specdec.models.threads import set_torch_threads
 SESSIONS = 16
 
 
-def _load(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunner:
+def _load(threads: int, calibrate_max_rows: int, layout: str, dtype: str, matmul_dtype: str) -> ModelRunner:
     """The target as a service loads it: on a thread that then ends, so that the model thread's
     OpenMP team is the only one left in the process (`specdec.models.openmp_env`)."""
     loaded: list[ModelRunner] = []
-    loader = threading.Thread(target=lambda: loaded.append(_load_here(threads, calibrate_max_rows, layout)))
+    loader = threading.Thread(
+        target=lambda: loaded.append(_load_here(threads, calibrate_max_rows, layout, dtype, matmul_dtype))
+    )
     loader.start()
     loader.join()
     if not loaded:
@@ -54,7 +56,7 @@ def _load(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunner:
     return loaded[0]
 
 
-def _load_here(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunner:
+def _load_here(threads: int, calibrate_max_rows: int, layout: str, dtype: str, matmul_dtype: str) -> ModelRunner:
     from specdec.models.sources import DEFAULT_MODEL
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
@@ -68,6 +70,8 @@ def _load_here(threads: int, calibrate_max_rows: int, layout: str) -> ModelRunne
         torch_threads=threads,
         calibrate_max_rows=calibrate_max_rows,
         linear_layout=layout,
+        dtype=dtype,
+        matmul_dtype=matmul_dtype,
     )
     return load_model(settings, "target").runner
 
@@ -137,6 +141,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the governor chooses, as served)")
     parser.add_argument("--calibrate-max-rows", type=int, default=9, help="as the service setting")
     parser.add_argument("--layout", default="auto", help="LINEAR_LAYOUT, as the service setting")
+    parser.add_argument("--dtype", default="float32", help="DTYPE, as the service setting")
+    parser.add_argument("--matmul-dtype", default="float32", help="MATMUL_DTYPE, as the service setting")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     # This thread's own tensor ops (the logit comparisons) stay on it: a team of its own would
@@ -148,7 +154,7 @@ def main() -> None:
         parser.error(f"at most {SESSIONS} sessions per step")
 
     loaded_at = time.perf_counter()
-    runner = _load(args.threads, args.calibrate_max_rows, args.layout)
+    runner = _load(args.threads, args.calibrate_max_rows, args.layout, args.dtype, args.matmul_dtype)
     bench = Bench(runner, args.context, args.seed)
     print(
         f"{hostinfo.summary(hostinfo.describe())}; loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s;"

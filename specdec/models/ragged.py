@@ -80,6 +80,9 @@ def ragged_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from specdec.models.bf16_matmul import rowwise
+
+    attend = rowwise(sdpa_attention_forward)  # rows one by one where the model asks (bfloat16 products)
     if ragged is None:
         raise RuntimeError("ragged attention called outside ragged_forward")
     outputs: list[torch.Tensor | None] = [None] * len(ragged.segments)
@@ -90,7 +93,7 @@ def ragged_attention(
         if getattr(layer, "prefix_keys", None) is None:
             # The session's keys/values through this segment: [1, Hkv, past + n, D].
             keys, values = seg.kv.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
-            outputs[index], _ = sdpa_attention_forward(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
+            outputs[index], _ = attend(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
         else:
             layer.append(key[:, :, rows], value[:, :, rows])
             prefixed.setdefault((id(layer.prefix_root), layer.prefix_len), []).append(index)

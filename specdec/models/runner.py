@@ -306,6 +306,7 @@ class ModelRunner:
         self.governor = None
         self._supports_ragged: bool | None = None  # decided at the first step
         self.stores_prefixes_once = True  # False: every fork copies (`_stores_once`)
+        self.pads_uncached = True  # False: a step's uncached sequences run ragged, not left-padded together
 
     def _threads(self, rows: int) -> AbstractContextManager:
         return self.governor.forward(rows) if self.governor is not None else nullcontext()

@@ -539,7 +539,7 @@ def step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:
 
 def _step_items(runner, items: Sequence[StepItem]) -> list[LogitsResult]:
     uncached = [i for i, item in enumerate(items) if not item.session_id]
-    if len(uncached) < 2:
+    if len(uncached) < 2 or not runner.pads_uncached:
         return list(runner.step(items))
     results: list[LogitsResult | None] = [None] * len(items)
     cached = [i for i, item in enumerate(items) if item.session_id]

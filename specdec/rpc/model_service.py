@@ -24,6 +24,8 @@ from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
+MATMUL_DTYPES = ("float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class ModelServerSettings(ServerTlsSettings):
@@ -80,6 +82,13 @@ class ModelServerSettings(ServerTlsSettings):
         "float32 on CPU: matmul kernel of the linear layers, auto (the fastest per row count, measured at "
         "start) | linear | transposed (2x weight memory) | weight_major | packed (oneDNN, 2x weight memory)",
     )
+    # specdec.models.bf16_matmul: AMX multiplies bfloat16 several times faster than float32 past a few rows.
+    matmul_dtype: str = setting(
+        "float32",
+        "MATMUL_DTYPE",
+        "float32 models on CPU: bfloat16 = the decoder layers' linear products in bfloat16 (for CPUs with AMX; "
+        "each position computed as a one-token decode computes it, so the law stays exact) | float32",
+    )
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
     )
@@ -106,6 +115,10 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"port out of range: {self.port}")
         if self.linear_layout not in (AUTO, *LAYOUTS):
             raise ValueError(f"linear_layout must be auto or one of {', '.join(LAYOUTS)}, got {self.linear_layout!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
+        if self.matmul_dtype == "bfloat16" and self.compile == "on":
+            raise ValueError("matmul_dtype bfloat16 runs eagerly: set compile to off or auto")
         if not 0 <= self.calibrate_max_rows <= 64:
             raise ValueError(f"calibrate_max_rows must be in [0, 64], got {self.calibrate_max_rows}")
         if self.compile not in ("auto", "on", "off") or self.static_cache_len < 1:
@@ -206,6 +219,7 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     matmul layouts and forward costs were measured (`specdec.models.calibration`)."""
     import torch
 
+    from specdec.models.bf16_matmul import bf16_matmuls_wanted, use_bf16_forwards
     from specdec.models.calibration import plan_layouts
     from specdec.models.loading import load_causal_lm
     from specdec.models.openmp_env import available_cpus
@@ -222,12 +236,18 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     runner = make_runner(model, cache, settings.compile, settings.static_cache_len)
     threads = settings.torch_threads or available_cpus()
     runner.on_model_thread(set_torch_threads, threads)  # OpenMP reads it per calling thread
+    matmul_dtype = ""
+    if bf16_matmuls_wanted(settings.matmul_dtype, runner):
+        block = runner.on_model_thread(use_bf16_forwards, runner)
+        matmul_dtype = "bfloat16" if block else ""
+        log.info("%s decoder linears in bfloat16, rows in blocks of %d", role, block)
     costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)
     if not settings.torch_threads and runner.device.type == "cpu":
         runner.governor = ThreadGovernor(thread_candidates(threads), set_torch_threads, torch.get_num_threads)
         for rows, seconds in enumerate(costs.seconds if costs is not None else (), start=1):
             runner.governor.seed(rows, threads, seconds)  # measured at `threads`, warm
     info = model_info_proto(runner, source, tokenizer, role, settings.dtype, settings.device)
+    info.matmul_dtype = matmul_dtype
     if costs is not None:
         info.forward_cost_ms.extend(costs.milliseconds())
         log.info("%s forward ms by rows: %s; layouts by rows: %s", role, costs.milliseconds(), costs.describe())

@@ -33,18 +33,30 @@ def _shallow_draft(target_model, num_layers: int):
     return draft.eval()
 
 
-@pytest.fixture(scope="module")
-def real_stack(redis_url):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def real_stack(redis_url, request):
+    """The stack with the linear products in float32 (the default) and in bfloat16 (MATMUL_DTYPE,
+    `specdec.models.bf16_matmul`), whose rounding makes any difference in how a position is
+    computed visible: without its row-wise attention the first speculative token differed."""
+    from specdec.models.bf16_matmul import bf16_supported
     from specdec.models.runner import ModelRunner, SessionKVCache
     from specdec.rpc.model_service import LoadedModel, ModelServerSettings, load_model
     from specdec.settings import load_settings
 
-    target = load_model(load_settings(ModelServerSettings, [], {}, model=DEFAULT), "target")
+    if request.param == "bfloat16" and not bf16_supported():
+        pytest.skip("this torch build has no oneDNN bfloat16 matmul")
+    settings = load_settings(ModelServerSettings, [], {}, model=DEFAULT, matmul_dtype=request.param)
+    target = load_model(settings, "target")
     draft_model = _shallow_draft(target.runner.model, 6)
     draft_info = type(target.info)()
     draft_info.CopyFrom(target.info)
     draft_info.model_id, draft_info.role = f"{DEFAULT} (first 6 layers)", "draft"
-    draft = LoadedModel(ModelRunner(draft_model, SessionKVCache(8, 100_000)), draft_info)
+    draft_runner = ModelRunner(draft_model, SessionKVCache(8, 100_000))
+    draft_runner.stores_prefixes_once, draft_runner.pads_uncached = (
+        target.runner.stores_prefixes_once,
+        target.runner.pads_uncached,
+    )
+    draft = LoadedModel(draft_runner, draft_info)
     stack = start_stack({"target": target, "draft": draft}, DEFAULT, redis_url)
     yield stack, target
     stop_stack(stack)

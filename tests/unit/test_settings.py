@@ -127,3 +127,14 @@ def test_the_batching_settings_reach_the_scheduler():
     assert limits.prefill_chunk_tokens == 64
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, [], {"SPECDEC_TARGET_BATCH_WAIT_SHARE": "2"})
+
+
+def test_the_matmul_dtype_setting_and_what_it_refuses(capsys):
+    assert load_settings(TargetSettings, [], {}).matmul_dtype == "float32"
+    assert load_settings(TargetSettings, [], {"SPECDEC_TARGET_MATMUL_DTYPE": "bfloat16"}).matmul_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        load_settings(TargetSettings, ["--matmul-dtype", "int8"], {})
+    assert "matmul_dtype must be one of float32, bfloat16, got 'int8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_settings(DraftSettings, ["--matmul-dtype", "bfloat16", "--compile", "on"], {})
+    assert "matmul_dtype bfloat16 runs eagerly" in capsys.readouterr().err

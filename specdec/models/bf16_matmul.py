@@ -1,0 +1,237 @@
+"""Forwards with bfloat16 products on CPUs with AMX that still compute each position exactly as a
+one-token decode does.
+
+On a CPU with AMX tiles (Intel Sapphire Rapids and later) oneDNN multiplies bfloat16 matrices
+several times faster than float32 once there are a few rows; one row costs about the same.
+SmolLM2-135M's MLP projection on such a 2-vCPU VM, microseconds: 1 / 8 / 32 / 384 rows 34 / 80 /
+260 / 2,092 in float32 against 34 / 37 / 71 / 434 in bfloat16 (casts included). That is what a
+batched step, a Verify and a prompt's forward are made of.
+
+What the model then computes: each decoder-layer linear rounds its input and its weights to
+bfloat16 (weights once, at load), accumulates in float32 (oneDNN), rounds its output to bfloat16
+and returns it as float32; norms, attention, the residual stream and the output head stay float32
+(a bfloat16 head would quantise logits to 1/128 of their size).
+
+Why that alone breaks the draft/target law, and the two things that restore it. Rounding to
+bfloat16 turns float32 noise into whole bfloat16 steps: a value that one kernel puts just below a
+rounding boundary and another just above lands 2^-8 apart, and 30 layers compound it. Measured on
+SmolLM2: the same positions run as a 6-row Verify and as six decodes differ in their next-token
+laws by a total variation of up to 1.4e-2 (float32: 1.5e-6), and greedy speculative output parted
+from K = 0 at its first token. The float32 noise came from two places:
+- oneDNN picks its kernel by the number of rows, and kernels accumulate in other orders. Up to 32
+  rows every row got the same bits as alone (every SmolLM2 shape, 1 or 2 threads), so rows run in
+  blocks of at most `block`, checked at load (`invariant_block` halves it until it holds).
+- attention over a multi-row query blocks its keys and masks otherwise than a one-row query does.
+  So a marked attention module (`ROWWISE`) runs each query row as a one-row query over the keys up
+  to its own position (`rowwise`), which is what a decode of that position runs.
+With both, a Verify's rows and a batch's sessions get the bits of one-token decodes (measured:
+logits within 4e-7 of |logit|, the output head's float32 noise, which nothing rounds later). A
+prefix stored once (cascade attention) reads the prefix in another order, so runners in this mode
+copy forks instead, and uncached sequences run one by one rather than left-padded together.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK_ROWS = 32  # the largest block tried; oneDNN switched kernels past 32 rows on the AMX VM
+ROWWISE = "specdec_rowwise"  # attribute of an attention module whose query rows run one by one
+
+
+def bf16_supported() -> bool:
+    """Whether this torch build multiplies bfloat16 with oneDNN on this CPU (AMX or not)."""
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def amx_available() -> bool:
+    """Whether this CPU has AMX tiles, where bfloat16 products pay (without them they need not)."""
+    try:
+        return bf16_supported() and bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
+
+
+def _product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+
+class Bf16Linear(torch.nn.Module):
+    """nn.Linear's product in bfloat16 (oneDNN, the weight reordered once), float32 in and out,
+    rows in blocks of at most `block` so that each row's bits do not depend on the others."""
+
+    def __init__(self, linear: torch.nn.Linear, block: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.block = block
+        # An opaque oneDNN tensor replaces the float32 weight (half its memory); not a buffer, so
+        # state_dict and .to() never see it.
+        self.weight_packed = _pack(linear.weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
+        if rows <= self.block:
+            y = _product(flat, self.weight_packed)
+        else:
+            y = torch.cat([_product(part, self.weight_packed) for part in flat.split(self.block)])
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def invariant_block(shapes: list[tuple[int, int]], largest: int = BLOCK_ROWS, seed: int = 0) -> int:
+    """The largest block (largest, largest / 2, ..., 1) in which, for every weight shape (in, out),
+    each of 1..block rows gets the same bits as that row alone (random weights and rows: oneDNN
+    chooses its kernel by shape, not by values)."""
+    generator = torch.Generator().manual_seed(seed)
+    block = largest
+    while block > 1 and not all(_rows_independent(shape, block, generator) for shape in shapes):
+        block //= 2
+    return block
+
+
+def _rows_independent(shape: tuple[int, int], block: int, generator: torch.Generator) -> bool:
+    in_features, out_features = shape
+    packed = _pack(torch.randn(out_features, in_features, generator=generator))
+    x = torch.randn(block, in_features, generator=generator).to(torch.bfloat16)
+    alone = torch.cat([_product(x[i : i + 1], packed) for i in range(block)])
+    return all(torch.equal(_product(x[:rows], packed), alone[:rows]) for rows in range(2, block + 1))
+
+
+def decoder_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, name, linear) for every float32 CPU nn.Linear of `model` except those that share a
+    weight with an embedding or are its output head (kept float32: tied weights, exact logits)."""
+    kept = {id(model.get_input_embeddings().weight)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        kept.add(id(head.weight))
+    found = []
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if (
+                type(child) is torch.nn.Linear
+                and child is not head
+                and id(child.weight) not in kept
+                and child.weight.dtype == torch.float32
+                and child.weight.device.type == "cpu"
+            ):
+                found.append((parent, name, child))
+    return found
+
+
+def use_bf16_matmuls(model: torch.nn.Module, block: int | None = None) -> int:
+    """Swap the decoder linears of `model` for Bf16Linear and mark its attention modules ROWWISE
+    (in place); returns the block used (0 when there was nothing to swap). `block` None:
+    `invariant_block` over the model's shapes."""
+    linears = decoder_linears(model)
+    if not linears:
+        return 0
+    if block is None:
+        block = invariant_block(sorted({(c.in_features, c.out_features) for _, _, c in linears}))
+    for parent, name, child in linears:
+        setattr(parent, name, Bf16Linear(child, block))
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention"):
+            setattr(module, ROWWISE, True)
+    _route_sdpa_rowwise()
+    return block
+
+
+def use_bf16_forwards(runner) -> int:
+    """`use_bf16_matmuls` on a runner's model, with the runner's paths that read positions in
+    another order than a decode turned off (forks copy; uncached sequences are not padded
+    together); returns the block (0: nothing swapped)."""
+    block = use_bf16_matmuls(runner.model)
+    if block:
+        runner.stores_prefixes_once = False
+        runner.pads_uncached = False
+    return block
+
+
+def rowwise(attend):
+    """`attend` (transformers' attention signature) with each query row of a ROWWISE module run as
+    a one-row query, unmasked, over the keys up to its own position: the call a decode of that
+    position makes. The query rows must be the keys' last rows under a plain causal mask (or none:
+    is_causal); any other mask (left padding) runs row by row under its own mask rows."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if not getattr(module, ROWWISE, False):
+            return attend(module, query, key, value, attention_mask, **kwargs)
+        kwargs.pop("is_causal", None)  # one row: nothing to mask but what attention_mask says
+        rows, past = query.shape[2], key.shape[2] - query.shape[2]
+        plain = attention_mask is None or _plain_causal(attention_mask, past)
+        outputs = []
+        for i in range(rows):
+            if plain:
+                seen = slice(0, past + i + 1)
+                out, _ = attend(module, query[:, :, i : i + 1], key[:, :, seen], value[:, :, seen], None, **kwargs)
+            else:
+                out, _ = attend(module, query[:, :, i : i + 1], key, value, attention_mask[:, :, i : i + 1], **kwargs)
+            outputs.append(out)  # [B, 1, Hq, D]
+        return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
+
+    return attention
+
+
+_LAST_MASK: list = [None, False]  # (mask, plain): every layer of a forward gets the same mask object
+
+
+def _plain_causal(mask: torch.Tensor, past: int) -> bool:
+    """Whether `mask` ([B, 1, rows, past + rows], bool or additive float) lets row i see exactly
+    keys 0..past + i, for every batch row."""
+    if mask is _LAST_MASK[0]:
+        return _LAST_MASK[1]
+    rows = mask.shape[-2]
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    expected = torch.ones(rows, past + rows, dtype=torch.bool, device=mask.device).tril(past)
+    plain = mask.shape[-1] == past + rows and bool((visible[:, 0] == expected).all())
+    _LAST_MASK[:] = [mask, plain]
+    return plain
+
+
+def _route_sdpa_rowwise() -> None:
+    """transformers' "sdpa" attention, wrapped by `rowwise` once per process (unmarked modules,
+    every other model's, run it unchanged)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], ROWWISE, False):
+        wrapped = rowwise(sdpa_attention_forward)
+        setattr(wrapped, ROWWISE, True)
+        AttentionInterface.register("sdpa", wrapped)
+
+
+def bf16_matmuls_wanted(setting: str, runner) -> bool:
+    """Whether a service's MATMUL_DTYPE setting swaps `runner`'s linears; bfloat16 needs a float32
+    model running eagerly on CPU (a compiled graph chooses its own kernels) and oneDNN's bfloat16."""
+    from specdec.models.runner import ModelRunner
+
+    if setting != "bfloat16":
+        return False
+    if not (
+        type(runner) is ModelRunner
+        and runner.device.type == "cpu"
+        and next(runner.model.parameters()).dtype == torch.float32
+    ):
+        raise ValueError("matmul_dtype bfloat16 needs a float32 model running eagerly on CPU")
+    if not bf16_supported():
+        raise ValueError("matmul_dtype bfloat16: this torch build has no oneDNN bfloat16 matmul on this CPU")
+    if not amx_available():
+        log.warning("matmul_dtype bfloat16 on a CPU without AMX tiles: expect it slower than float32")
+    return True

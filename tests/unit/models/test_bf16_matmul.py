@@ -1,0 +1,137 @@
+"""Bf16Linear multiplies in bfloat16 and gives each row the same bits batched or alone, so a
+sequence computes the same logits in a Verify, a batched step or a decode; the head and tied
+weights stay float32; the setting is applied only where it can be.
+
+Tolerance for logits: rows get the same linear products whatever else runs, so what is left is
+float32 noise of attention and norms (<= 1e-5 of |logit|, as test_ragged). Without the blocks
+(`block` 1,024: one oneDNN call over every row) a 48-row Verify of the SmolLM2-shaped layer below
+differs from the same positions decoded one by one by ~1e-2, and the row tests fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import bf16_matmul
+from specdec.models.bf16_matmul import (
+    Bf16Linear,
+    bf16_matmuls_wanted,
+    bf16_supported,
+    decoder_linears,
+    invariant_block,
+    use_bf16_matmuls,
+)
+from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
+
+pytestmark = pytest.mark.skipif(not bf16_supported(), reason="this torch build has no oneDNN bfloat16 matmul")
+
+SMOLLM2_SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (in, out) of its decoder linears
+
+
+def _llama(hidden: int, intermediate: int, tie: bool = True, layers: int = 1, vocab: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64 if hidden >= 64 else 2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (70, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_product_is_linear_in_bfloat16(shape, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(shape)
+    got = Bf16Linear(linear, block=32)(x)
+    # bfloat16 inputs and weights, float32 accumulation, the output rounded to bfloat16.
+    exact = (x.bfloat16().double() @ linear.weight.bfloat16().double().t()).bfloat16().float()
+    expected = exact if not bias else exact + linear.bias
+    assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_features, out_features", SMOLLM2_SHAPES)
+def test_each_row_gets_the_same_bits_batched_or_alone(in_features, out_features):
+    torch.manual_seed(0)
+    layer = Bf16Linear(torch.nn.Linear(in_features, out_features, bias=False), invariant_block(SMOLLM2_SHAPES))
+    x = torch.randn(100, in_features)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(100)])
+    for rows in (2, 7, 32, 33, 48, 100):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+def test_the_block_halves_until_rows_do_not_depend_on_each_other(monkeypatch):
+    product = bf16_matmul._product
+
+    def kernel_switch_past_8_rows(rows, packed):
+        out = product(rows, packed)
+        return out + 1 if rows.shape[0] > 8 else out  # another kernel, other bits
+
+    monkeypatch.setattr(bf16_matmul, "_product", kernel_switch_past_8_rows)
+    assert invariant_block([(24, 40)]) == 8
+    assert invariant_block([(24, 40)], largest=4) == 4
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_head_and_tied_weights_stay_float32(tie):
+    model = _llama(16, 32, tie=tie, layers=2, vocab=16)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    swapped = len(decoder_linears(model))
+    assert swapped == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert use_bf16_matmuls(model) >= 1
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float32
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    assert sum(isinstance(m, Bf16Linear) for m in model.modules()) == swapped
+    with torch.inference_mode():
+        after = model(ids).logits
+    assert not torch.equal(before, after)  # it did change the products ...
+    torch.testing.assert_close(after, before, rtol=0, atol=5e-2 * before.abs().max().item())  # ... by rounding
+
+
+def test_a_verify_a_batched_step_and_decodes_give_the_same_logits():
+    """A Verify of 48 rows (past the block), the same positions in a step beside other sessions,
+    and the same positions decoded one by one: the logits a coordinator compares."""
+    model = _llama(576, 1536)
+    use_bf16_matmuls(model)
+    prefix = [(5 * i + 1) % 64 for i in range(20)]
+    drafted = [(7 * i + 3) % 64 for i in range(48)]
+    verify = ModelRunner(model, SessionKVCache(8, 10_000))
+    verify.last_logits("s", prefix, 1)
+    verified = verify.last_logits("s", prefix + drafted, len(drafted)).logits  # [48, V]
+
+    decode = ModelRunner(model, SessionKVCache(8, 10_000))
+    decoded = torch.stack(
+        [decode.last_logits("s", prefix + drafted[: i + 1], 1).logits[0] for i in range(len(drafted))]
+    )
+    batched = ModelRunner(model, SessionKVCache(8, 10_000))
+    for other in ("a", "b"):
+        batched.last_logits(other, prefix[::-1], 1)
+    batched.last_logits("s", prefix, 1)
+    items = [StepItem("s", prefix + drafted, len(drafted))]
+    items += [StepItem(other, prefix[::-1] + drafted[:20], 20) for other in ("a", "b")]
+    stepped = batched.step(items)[0].logits
+    scale = decoded.abs().max().item()
+    torch.testing.assert_close(verified, decoded, rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(stepped, decoded, rtol=0, atol=1e-5 * scale)
+
+
+def test_the_setting_applies_to_eager_float32_cpu_models_only():
+    runner = ModelRunner(_llama(16, 32, vocab=16), SessionKVCache(2, 100))
+    assert bf16_matmuls_wanted("bfloat16", runner)
+    assert not bf16_matmuls_wanted("float32", runner)
+    half = ModelRunner(_llama(16, 32, vocab=16).to(torch.bfloat16), SessionKVCache(2, 100))
+    assert not bf16_matmuls_wanted("float32", half)
+    with pytest.raises(ValueError, match="needs a float32 model running eagerly on CPU"):
+        bf16_matmuls_wanted("bfloat16", half)
