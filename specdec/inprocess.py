@@ -30,8 +30,9 @@ def _pool_info(target, draft) -> PoolInfo:
 
 def _load(target: str, draft: str | None, lookup: str | None):
     """(target LoadedModel, the draft a draft service would serve (`ServedDraft`) or None, the
-    target's tokenizer). The draft's settings are the draft service's: flags none, SPECDEC_DRAFT_*
-    env vars, then `draft` (model, ngram or suffix) and `lookup` (hybrid) when given."""
+    target's tokenizer). Each model's settings are its service's: flags none, SPECDEC_TARGET_* /
+    SPECDEC_DRAFT_* env vars, then `target`, `draft` (model, ngram or suffix) and `lookup`
+    (hybrid) when given."""
     import os
 
     from draft_service.loading import load_draft
@@ -41,7 +42,7 @@ def _load(target: str, draft: str | None, lookup: str | None):
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 
-    loaded_target = load_model(load_settings(TargetSettings, [], {}, model=target), "target")
+    loaded_target = load_model(load_settings(TargetSettings, [], os.environ, prog="target settings", model=target), "target")
     tokenizer = load_tokenizer(target)
     if not draft:
         return loaded_target, None, tokenizer
