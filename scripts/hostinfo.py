@@ -3,7 +3,7 @@ its widest vector instructions.
 
 The same VM type lands on different hosts: on 2026-12-02 one had AVX alone (a SmolLM2 decode step
 75 ms, a prompt token ~3 ms) and the next AVX-512 (31 ms, ~1.4 ms), which moves every ratio that
-weighs prompts against decoding. Compare figures only within one `isa` and `cpu`.
+weighs prompts against decoding; on 2026-12-03 an Intel host with AMX (bfloat16 tiles) too. Compare figures only within one `isa` and `cpu`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ def _cpuinfo_field(name: str, text: str) -> str:
 
 
 def vector_isa(flags: set[str]) -> str:
-    """The widest x86 vector extension among `flags` ("" for none of them or another architecture)."""
+    """The widest x86 vector extension among `flags` ("" for none of them or another architecture),
+    "+amx" where the CPU also has bfloat16 matrix tiles (MATMUL_DTYPE=bfloat16 pays there)."""
     for isa, flag in (("avx512", "avx512f"), ("avx2", "avx2"), ("avx", "avx")):
         if flag in flags:
-            return isa
+            return isa + ("+amx" if "amx_bf16" in flags else "")
     return ""
 
 

@@ -32,11 +32,7 @@ copy forks instead, and uncached sequences run one by one rather than left-padde
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 BLOCK_ROWS = 32  # the largest block tried; oneDNN switched kernels past 32 rows on the AMX VM
 ROWWISE = "specdec_rowwise"  # attribute of an attention module whose query rows run one by one
@@ -215,23 +211,3 @@ def _route_sdpa_rowwise() -> None:
         wrapped = rowwise(sdpa_attention_forward)
         setattr(wrapped, ROWWISE, True)
         AttentionInterface.register("sdpa", wrapped)
-
-
-def bf16_matmuls_wanted(setting: str, runner) -> bool:
-    """Whether a service's MATMUL_DTYPE setting swaps `runner`'s linears; bfloat16 needs a float32
-    model running eagerly on CPU (a compiled graph chooses its own kernels) and oneDNN's bfloat16."""
-    from specdec.models.runner import ModelRunner
-
-    if setting != "bfloat16":
-        return False
-    if not (
-        type(runner) is ModelRunner
-        and runner.device.type == "cpu"
-        and next(runner.model.parameters()).dtype == torch.float32
-    ):
-        raise ValueError("matmul_dtype bfloat16 needs a float32 model running eagerly on CPU")
-    if not bf16_supported():
-        raise ValueError("matmul_dtype bfloat16: this torch build has no oneDNN bfloat16 matmul on this CPU")
-    if not amx_available():
-        log.warning("matmul_dtype bfloat16 on a CPU without AMX tiles: expect it slower than float32")
-    return True

@@ -219,7 +219,7 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     matmul layouts and forward costs were measured (`specdec.models.calibration`)."""
     import torch
 
-    from specdec.models.bf16_matmul import bf16_matmuls_wanted, use_bf16_forwards
+    from specdec.models.bf16_matmul import use_bf16_forwards
     from specdec.models.calibration import plan_layouts
     from specdec.models.loading import load_causal_lm
     from specdec.models.openmp_env import available_cpus
@@ -229,6 +229,15 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     from specdec.models.threads import ThreadGovernor, set_torch_threads, thread_candidates
 
     model, source = load_causal_lm(settings.model, settings.dtype, settings.device)
+    if settings.dtype != "float32" and next(model.parameters()).device.type == "cpu":
+        # specdec.models.bf16_matmul: rounding every op to 16 bits makes kernel-order noise visible.
+        log.warning(
+            "%s runs in %s: a Verify's rows and one-token decodes of the same positions then differ "
+            "(SmolLM2 in bfloat16: next-token laws up to TV 7.7e-2 apart), so speculation's output law is "
+            "only near the target's; MATMUL_DTYPE=bfloat16 keeps it exact",
+            role,
+            settings.dtype,
+        )
     tokenizer = load_tokenizer(settings.model)
     cache = SessionKVCache(settings.cache_max_entries, settings.cache_max_tokens)
     # Static cache + compiled forwards where settings.compile says so (auto: on CUDA); compiled
@@ -252,6 +261,30 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
         info.forward_cost_ms.extend(costs.milliseconds())
         log.info("%s forward ms by rows: %s; layouts by rows: %s", role, costs.milliseconds(), costs.describe())
     return LoadedModel(runner, info)
+
+
+def bf16_matmuls_wanted(setting: str, runner) -> bool:
+    """Whether a service's MATMUL_DTYPE setting swaps `runner`'s linears (`specdec.models.bf16_matmul`);
+    bfloat16 needs a float32 model running eagerly on CPU (a compiled graph chooses its own kernels)
+    and oneDNN's bfloat16."""
+    import torch
+
+    from specdec.models.bf16_matmul import amx_available, bf16_supported
+    from specdec.models.runner import ModelRunner
+
+    if setting != "bfloat16":
+        return False
+    if not (
+        type(runner) is ModelRunner
+        and runner.device.type == "cpu"
+        and next(runner.model.parameters()).dtype == torch.float32
+    ):
+        raise ValueError("matmul_dtype bfloat16 needs a float32 model running eagerly on CPU")
+    if not bf16_supported():
+        raise ValueError("matmul_dtype bfloat16: this torch build has no oneDNN bfloat16 matmul on this CPU")
+    if not amx_available():
+        log.warning("matmul_dtype bfloat16 on a CPU without AMX tiles: expect it slower than float32")
+    return True
 
 
 class ModelServicerBase:

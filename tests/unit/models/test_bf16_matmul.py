@@ -16,7 +16,6 @@ import torch
 from specdec.models import bf16_matmul
 from specdec.models.bf16_matmul import (
     Bf16Linear,
-    bf16_matmuls_wanted,
     bf16_supported,
     decoder_linears,
     invariant_block,
@@ -125,13 +124,3 @@ def test_a_verify_a_batched_step_and_decodes_give_the_same_logits():
     scale = decoded.abs().max().item()
     torch.testing.assert_close(verified, decoded, rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(stepped, decoded, rtol=0, atol=1e-5 * scale)
-
-
-def test_the_setting_applies_to_eager_float32_cpu_models_only():
-    runner = ModelRunner(_llama(16, 32, vocab=16), SessionKVCache(2, 100))
-    assert bf16_matmuls_wanted("bfloat16", runner)
-    assert not bf16_matmuls_wanted("float32", runner)
-    half = ModelRunner(_llama(16, 32, vocab=16).to(torch.bfloat16), SessionKVCache(2, 100))
-    assert not bf16_matmuls_wanted("float32", half)
-    with pytest.raises(ValueError, match="needs a float32 model running eagerly on CPU"):
-        bf16_matmuls_wanted("bfloat16", half)

@@ -24,6 +24,7 @@ class FakeRunner:
     def __init__(self):
         self._model_thread = ThreadPoolExecutor(max_workers=1)
         self.cache = None
+        self.pads_uncached = True  # as ModelRunner: uncached sequences of a step go left-padded together
         self.steps: list[list[StepItem]] = []
         self.step_s = 0.0  # how long each step takes
 

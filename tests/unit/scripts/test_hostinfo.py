@@ -18,6 +18,7 @@ def test_the_widest_vector_extension_is_named():
     assert hostinfo.vector_isa({"sse2", "avx", "fma"}) == "avx"
     assert hostinfo.vector_isa({"avx", "avx2"}) == "avx2"
     assert hostinfo.vector_isa({"avx", "avx2", "avx512f"}) == "avx512"
+    assert hostinfo.vector_isa({"avx2", "avx512f", "amx_tile", "amx_bf16"}) == "avx512+amx"
     assert hostinfo.vector_isa({"neon"}) == ""
 
 
