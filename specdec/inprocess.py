@@ -42,7 +42,9 @@ def _load(target: str, draft: str | None, lookup: str | None):
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 
-    loaded_target = load_model(load_settings(TargetSettings, [], os.environ, prog="target settings", model=target), "target")
+    loaded_target = load_model(
+        load_settings(TargetSettings, [], os.environ, prog="target settings", model=target), "target"
+    )
     tokenizer = load_tokenizer(target)
     if not draft:
         return loaded_target, None, tokenizer

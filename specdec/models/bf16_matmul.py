@@ -170,33 +170,39 @@ def rowwise(attend):
             return attend(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)  # one row: nothing to mask but what attention_mask says
         rows, past = query.shape[2], key.shape[2] - query.shape[2]
-        plain = attention_mask is None or _plain_causal(attention_mask, past)
+        plain = attention_mask is None or _plain_causal(attention_mask, past, rows)
         outputs = []
         for i in range(rows):
             if plain:
                 seen = slice(0, past + i + 1)
                 out, _ = attend(module, query[:, :, i : i + 1], key[:, :, seen], value[:, :, seen], None, **kwargs)
             else:
-                out, _ = attend(module, query[:, :, i : i + 1], key, value, attention_mask[:, :, i : i + 1], **kwargs)
+                mask = attention_mask[:, :, i : i + 1] if attention_mask.shape[2] > 1 else attention_mask
+                out, _ = attend(module, query[:, :, i : i + 1], key, value, mask, **kwargs)
             outputs.append(out)  # [B, 1, Hq, D]
         return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
 
     return attention
 
 
-_LAST_MASK: list = [None, False]  # (mask, plain): every layer of a forward gets the same mask object
+# (mask, rows, plain) of the last mask seen: every layer of a forward gets the same mask object.
+# One tuple, replaced whole, so model threads of other runners never read half of another's.
+_last_mask: tuple = (None, 0, False)
 
 
-def _plain_causal(mask: torch.Tensor, past: int) -> bool:
-    """Whether `mask` ([B, 1, rows, past + rows], bool or additive float) lets row i see exactly
-    keys 0..past + i, for every batch row."""
-    if mask is _LAST_MASK[0]:
-        return _LAST_MASK[1]
-    rows = mask.shape[-2]
-    visible = mask if mask.dtype == torch.bool else mask == 0
-    expected = torch.ones(rows, past + rows, dtype=torch.bool, device=mask.device).tril(past)
-    plain = mask.shape[-1] == past + rows and bool((visible[:, 0] == expected).all())
-    _LAST_MASK[:] = [mask, plain]
+def _plain_causal(mask: torch.Tensor, past: int, rows: int) -> bool:
+    """Whether `mask` ([B, 1, rows, past + rows], bool or additive float) lets query row i see
+    exactly keys 0..past + i, for every batch row."""
+    global _last_mask
+    last = _last_mask
+    if mask is last[0] and rows == last[1]:
+        return last[2]
+    plain = tuple(mask.shape[-2:]) == (rows, past + rows)
+    if plain:
+        visible = mask if mask.dtype == torch.bool else mask == 0
+        expected = torch.ones(rows, past + rows, dtype=torch.bool, device=mask.device).tril(past)
+        plain = bool((visible[:, 0] == expected).all())
+    _last_mask = (mask, rows, plain)
     return plain
 
 

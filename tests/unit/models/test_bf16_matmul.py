@@ -124,3 +124,26 @@ def test_a_verify_a_batched_step_and_decodes_give_the_same_logits():
     scale = decoded.abs().max().item()
     torch.testing.assert_close(verified, decoded, rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(stepped, decoded, rtol=0, atol=1e-5 * scale)
+
+
+def test_rowwise_attention_is_attention_under_causal_and_padding_masks():
+    """Row by row is the same attention (to float32 noise) whatever the mask: none (causal), a
+    plain causal one (bool or additive), or left padding, which runs under each row's own mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    setattr(module, bf16_matmul.ROWWISE, True)
+    torch.manual_seed(0)
+    past, rows = 5, 4
+    q, k, v = torch.randn(2, 4, rows, 8), torch.randn(2, 2, past + rows, 8), torch.randn(2, 2, past + rows, 8)
+    causal = torch.ones(rows, past + rows, dtype=torch.bool).tril(past).expand(2, 1, rows, past + rows)
+    padded = causal.clone()
+    padded[1, :, :, :3] = False  # the second sequence is left-padded by 3
+    additive = torch.zeros(causal.shape).masked_fill(~causal, float("-inf"))
+    attend = bf16_matmul.rowwise(sdpa_attention_forward)
+    for mask, plain in ((None, True), (causal, True), (additive, True), (padded, False)):
+        expected, _ = sdpa_attention_forward(module, q, k, v, causal if mask is None else mask)
+        got, _ = attend(module, q, k, v, mask)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert mask is None or bf16_matmul._plain_causal(mask, past, rows) == plain
