@@ -37,7 +37,11 @@ class ModelServerSettings(ServerTlsSettings):
     port: int = setting(50052, "PORT", "gRPC port (0 = any free port)")
     metrics_port: int = setting(9102, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")
     model: str = setting("smollm2-135m-instruct", "MODEL", "packaged short name, GGUF file, HF directory or hub id")
-    dtype: str = setting("float32", "DTYPE", "float32 | bfloat16 | float16 (float32 is fastest on CPUs without bf16)")
+    dtype: str = setting(
+        "float32",
+        "DTYPE",
+        "float32 | bfloat16 | float16 (a 16-bit CPU model's Verify and decodes differ; MATMUL_DTYPE keeps it exact)",
+    )
     device: str = setting("cpu", "DEVICE", "cpu | cuda | cuda:N | auto")
     cache_max_entries: int = setting(64, "CACHE_MAX_ENTRIES", "KV cache: most sessions kept (LRU)")
     # SmolLM2-135M keeps 46 KB of keys/values per token in fp32: 32768 tokens is ~1.5 GB.
