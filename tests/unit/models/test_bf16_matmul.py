@@ -101,7 +101,8 @@ def test_the_head_and_tied_weights_stay_float32(tie):
 
 def test_a_verify_a_batched_step_and_decodes_give_the_same_logits():
     """A Verify of 48 rows (past the block), the same positions in a step beside other sessions,
-    and the same positions decoded one by one: the logits a coordinator compares."""
+    and the same positions decoded one by one, on one thread (the thread governor may pick one for
+    some forwards and all CPUs for others): the logits a coordinator compares."""
     model = _llama(576, 1536)
     use_bf16_matmuls(model)
     prefix = [(5 * i + 1) % 64 for i in range(20)]
@@ -111,9 +112,14 @@ def test_a_verify_a_batched_step_and_decodes_give_the_same_logits():
     verified = verify.last_logits("s", prefix + drafted, len(drafted)).logits  # [48, V]
 
     decode = ModelRunner(model, SessionKVCache(8, 10_000))
-    decoded = torch.stack(
-        [decode.last_logits("s", prefix + drafted[: i + 1], 1).logits[0] for i in range(len(drafted))]
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        decoded = torch.stack(
+            [decode.last_logits("s", prefix + drafted[: i + 1], 1).logits[0] for i in range(len(drafted))]
+        )
+    finally:
+        torch.set_num_threads(threads)
     batched = ModelRunner(model, SessionKVCache(8, 10_000))
     for other in ("a", "b"):
         batched.last_logits(other, prefix[::-1], 1)
