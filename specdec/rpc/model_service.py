@@ -233,8 +233,9 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     from specdec.models.threads import ThreadGovernor, set_torch_threads, thread_candidates
 
     model, source = load_causal_lm(settings.model, settings.dtype, settings.device)
-    if settings.dtype != "float32" and next(model.parameters()).device.type == "cpu":
+    if role == "target" and settings.dtype != "float32" and next(model.parameters()).device.type == "cpu":
         # specdec.models.bf16_matmul: rounding every op to 16 bits makes kernel-order noise visible.
+        # (A draft's numerics never matter: it samples from the very q it sends.)
         log.warning(
             "%s runs in %s: a Verify's rows and one-token decodes of the same positions then differ "
             "(SmolLM2 in bfloat16: next-token laws up to TV 7.7e-2 apart), so speculation's output law is "
