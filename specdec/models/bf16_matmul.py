@@ -130,10 +130,10 @@ def decoder_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, 
     return found
 
 
-def use_bf16_matmuls(model: torch.nn.Module, block: int | None = None) -> int:
-    """Swap the decoder linears of `model` for Bf16Linear and mark its attention modules ROWWISE
-    (in place); returns the block used (0 when there was nothing to swap). `block` None:
-    `invariant_block` over the model's shapes."""
+def use_bf16_matmuls(model: torch.nn.Module, block: int | None = None, exact: bool = True) -> int:
+    """Swap the decoder linears of `model` for Bf16Linear and, if `exact`, mark its attention
+    modules ROWWISE (in place); returns the block used (0 when there was nothing to swap). `block`
+    None: `invariant_block` over the model's shapes."""
     linears = decoder_linears(model)
     if not linears:
         return 0
@@ -141,6 +141,8 @@ def use_bf16_matmuls(model: torch.nn.Module, block: int | None = None) -> int:
         block = invariant_block(sorted({(c.in_features, c.out_features) for _, _, c in linears}))
     for parent, name, child in linears:
         setattr(parent, name, Bf16Linear(child, block))
+    if not exact:
+        return block
     for module in model.modules():
         if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention"):
             setattr(module, ROWWISE, True)
@@ -148,12 +150,13 @@ def use_bf16_matmuls(model: torch.nn.Module, block: int | None = None) -> int:
     return block
 
 
-def use_bf16_forwards(runner) -> int:
-    """`use_bf16_matmuls` on a runner's model, with the runner's paths that read positions in
-    another order than a decode turned off (forks copy; uncached sequences are not padded
-    together); returns the block (0: nothing swapped)."""
-    block = use_bf16_matmuls(runner.model)
-    if block:
+def use_bf16_forwards(runner, exact: bool = True) -> int:
+    """`use_bf16_matmuls` on a runner's model; if `exact`, with the runner's paths that read
+    positions in another order than a decode turned off (forks copy; uncached sequences are not
+    padded together). Returns the block (0: nothing swapped). A draft needs no exactness: it
+    samples from the very law it sends, so it keeps its faster multi-row attention."""
+    block = use_bf16_matmuls(runner.model, exact=exact)
+    if block and exact:
         runner.stores_prefixes_once = False
         runner.pads_uncached = False
     return block

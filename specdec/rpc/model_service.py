@@ -252,7 +252,7 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     runner.on_model_thread(set_torch_threads, threads)  # OpenMP reads it per calling thread
     matmul_dtype = ""
     if bf16_matmuls_wanted(settings.matmul_dtype, runner):
-        block = runner.on_model_thread(use_bf16_forwards, runner)
+        block = runner.on_model_thread(use_bf16_forwards, runner, role == "target")
         matmul_dtype = "bfloat16" if block else ""
         log.info("%s decoder linears in bfloat16, rows in blocks of %d", role, block)
     costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)

@@ -1,7 +1,7 @@
 """The law through the REAL services with bfloat16 products (MATMUL_DTYPE=bfloat16): both tiny
-models' decoder linears in bfloat16, so every Verify row and batched session must compute what a
-one-token decode computes (`specdec.models.bf16_matmul`) for the target's law to be the one the
-coordinator's output follows. The exact law is enumerated from the served (swapped) target with
+models' decoder linears in bfloat16, so every target Verify row and batched session must compute
+what a one-token decode computes (`specdec.models.bf16_matmul`) for the target's law to be the one
+the coordinator's output follows (the draft's attention stays multi-row: it needs no exactness). The exact law is enumerated from the served (swapped) target with
 plain full forwards, as in test_lossless_law; same significance, power stated by the fit."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from service_stack import start_stack, stop_stack
 
 from specdec.client import build_request
 from specdec.core.sampling import Sampling
-from specdec.models.bf16_matmul import Bf16Linear, bf16_supported
+from specdec.models.bf16_matmul import ROWWISE, Bf16Linear, bf16_supported
 
 pytestmark = pytest.mark.skipif(not bf16_supported(), reason="this torch build has no oneDNN bfloat16 matmul")
 
@@ -51,7 +51,10 @@ def test_the_services_report_and_run_bfloat16_products(bf16_loaded):
     for loaded in bf16_loaded.values():
         assert loaded.info.matmul_dtype == "bfloat16"
         assert any(isinstance(m, Bf16Linear) for m in loaded.runner.model.modules())
-        assert not loaded.runner.stores_prefixes_once and not loaded.runner.pads_uncached
+    target, draft = bf16_loaded["target"].runner, bf16_loaded["draft"].runner
+    assert not target.stores_prefixes_once and not target.pads_uncached  # exact: as decodes compute
+    assert draft.stores_prefixes_once and draft.pads_uncached  # a draft needs no exactness
+    assert not any(getattr(m, ROWWISE, False) for m in draft.model.modules())
 
 
 def test_pipeline_samples_follow_the_bfloat16_target_law(bf16_stub, bf16_loaded, record_property):

@@ -51,12 +51,7 @@ def real_stack(redis_url, request):
     draft_info = type(target.info)()
     draft_info.CopyFrom(target.info)
     draft_info.model_id, draft_info.role = f"{DEFAULT} (first 6 layers)", "draft"
-    draft_runner = ModelRunner(draft_model, SessionKVCache(8, 100_000))
-    draft_runner.stores_prefixes_once, draft_runner.pads_uncached = (
-        target.runner.stores_prefixes_once,
-        target.runner.pads_uncached,
-    )
-    draft = LoadedModel(draft_runner, draft_info)
+    draft = LoadedModel(ModelRunner(draft_model, SessionKVCache(8, 100_000)), draft_info)
     stack = start_stack({"target": target, "draft": draft}, DEFAULT, redis_url)
     yield stack, target
     stop_stack(stack)
