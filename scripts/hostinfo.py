@@ -3,7 +3,8 @@ its widest vector instructions.
 
 The same VM type lands on different hosts: on 2026-12-02 one had AVX alone (a SmolLM2 decode step
 75 ms, a prompt token ~3 ms) and the next AVX-512 (31 ms, ~1.4 ms), which moves every ratio that
-weighs prompts against decoding; on 2026-12-03 an Intel host with AMX (bfloat16 tiles) too. Compare figures only within one `isa` and `cpu`.
+weighs prompts against decoding; on 2026-12-03 an Intel host with AMX (bfloat16 tiles) too.
+Compare figures only within one `isa` and `cpu`.
 """
 
 from __future__ import annotations

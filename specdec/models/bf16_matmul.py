@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.models.cpu_layout import pack_weight, packed_product, packing_available
+
 BLOCK_ROWS = 32  # the largest block tried; oneDNN switched kernels past 32 rows on the AMX VM
 ROWWISE = "specdec_rowwise"  # attribute of an attention module whose query rows run one by one
 
@@ -41,11 +43,7 @@ ROWWISE = "specdec_rowwise"  # attribute of an attention module whose query rows
 def bf16_supported() -> bool:
     """Whether this torch build multiplies bfloat16 with oneDNN on this CPU (AMX or not)."""
     try:
-        return bool(
-            torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
+        return packing_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
@@ -59,11 +57,10 @@ def amx_available() -> bool:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
+    return pack_weight(weight.detach().to(torch.bfloat16))
 
 
-def _product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+_product = packed_product  # module-level, so a test can make it depend on the row count
 
 
 class Bf16Linear(torch.nn.Module):

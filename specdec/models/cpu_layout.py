@@ -92,7 +92,7 @@ class PlannedLinear(torch.nn.Module):
         elif layout == PACKED and self.weight_packed is not None and not torch.compiler.is_compiling():
             # (Inductor cannot lower the opaque oneDNN weight: a compiled graph chooses its own kernel.)
             flat = x.reshape(rows, self.in_features).contiguous()
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.weight_packed, None, "none", [], "")
+            y = packed_product(flat, self.weight_packed)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -108,9 +108,17 @@ def packing_available() -> bool:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if not packing_available():
-        return None
+    return pack_weight(weight) if packing_available() else None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W ([out, in], its own dtype) reordered once for oneDNN's inner product (`packed_product`)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows @ W^T ([R, in] -> [R, out], in the rows' dtype) for a W from `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
 def use_layout_plans(
