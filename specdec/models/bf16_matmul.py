@@ -18,9 +18,12 @@ rounding boundary and another just above lands 2^-8 apart, and 30 layers compoun
 SmolLM2: the same positions run as a 6-row Verify and as six decodes differ in their next-token
 laws by a total variation of up to 1.4e-2 (float32: 1.5e-6), and greedy speculative output parted
 from K = 0 at its first token. The float32 noise came from two places:
-- oneDNN picks its kernel by the number of rows, and kernels accumulate in other orders. Up to 32
-  rows every row got the same bits as alone (every SmolLM2 shape, 1 or 2 threads), so rows run in
-  blocks of at most `block`, checked at load (`invariant_block` halves it until it holds).
+- oneDNN picks its kernel by the number of rows, and kernels accumulate in other orders. On an
+  AVX-512 EPYC (avx512_bf16, no AMX) one row is multiplied in another order than 2 or more when
+  the inner dimension is 1,536 (SmolLM2's down projection); 2 to 48 rows agree with each other
+  there, and on the AMX VM 1 to 32 rows did. So no row runs alone (a lone row goes as the first
+  of two, the second zero) and rows run in blocks of at most `block`, checked at load against
+  such pairs (`invariant_block` halves it until it holds).
 - attention over a multi-row query blocks its keys and masks otherwise than a one-row query does.
   So a marked attention module (`ROWWISE`) runs each query row as a one-row query over the keys up
   to its own position (`rowwise`), which is what a decode of that position runs.
@@ -80,30 +83,42 @@ class Bf16Linear(torch.nn.Module):
         rows = x.numel() // max(1, x.shape[-1])
         flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
         if rows <= self.block:
-            y = _product(flat, self.weight_packed)
+            y = _rows_product(flat, self.weight_packed)
         else:
-            y = torch.cat([_product(part, self.weight_packed) for part in flat.split(self.block)])
+            y = torch.cat([_rows_product(part, self.weight_packed) for part in flat.split(self.block)])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
+def _rows_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows @ W^T in bfloat16 ([R, in] -> [R, out]); one row as the first of two (the second zero),
+    so that it is multiplied by the kernel that multiplies several (see the module's docstring)."""
+    if rows.shape[0] == 1:
+        return _product(torch.cat([rows, rows.new_zeros(rows.shape)]), packed)[:1]
+    return _product(rows, packed)
+
+
+DRAWS = 4  # random draws per shape and block: a kernel's other order shows only where a rounding flips
+
+
 def invariant_block(shapes: list[tuple[int, int]], largest: int = BLOCK_ROWS, seed: int = 0) -> int:
-    """The largest block (largest, largest / 2, ..., 1) in which, for every weight shape (in, out),
-    each of 1..block rows gets the same bits as that row alone (random weights and rows: oneDNN
-    chooses its kernel by shape, not by values)."""
+    """The largest block (largest, largest / 2, ..., 2) in which, for every weight shape (in, out),
+    each of 2..block rows gets the same bits as each row alone (`_rows_product`: in a pair), over
+    DRAWS random weights and rows (oneDNN chooses its kernel by shape, not by values, but another
+    summation order changes a bfloat16 output only where it lies at a rounding boundary)."""
     generator = torch.Generator().manual_seed(seed)
     block = largest
-    while block > 1 and not all(_rows_independent(shape, block, generator) for shape in shapes):
+    while block > 2 and not all(_rows_independent(shape, block, generator) for shape in shapes for _ in range(DRAWS)):
         block //= 2
-    return block
+    return max(block, 2)
 
 
 def _rows_independent(shape: tuple[int, int], block: int, generator: torch.Generator) -> bool:
     in_features, out_features = shape
     packed = _pack(torch.randn(out_features, in_features, generator=generator))
     x = torch.randn(block, in_features, generator=generator).to(torch.bfloat16)
-    alone = torch.cat([_product(x[i : i + 1], packed) for i in range(block)])
-    return all(torch.equal(_product(x[:rows], packed), alone[:rows]) for rows in range(2, block + 1))
+    alone = torch.cat([_rows_product(x[i : i + 1], packed) for i in range(block)])
+    return all(torch.equal(_rows_product(x[:rows], packed), alone[:rows]) for rows in range(2, block + 1))
 
 
 def decoder_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:

@@ -81,6 +81,27 @@ def test_the_block_halves_until_rows_do_not_depend_on_each_other(monkeypatch):
     assert invariant_block([(24, 40)], largest=4) == 4
 
 
+def test_no_row_is_multiplied_alone(monkeypatch):
+    """A kernel that multiplies one row in another order than several (an AVX-512 EPYC, inner
+    dimension 1,536) never runs: a lone row goes as one of two, so it gets its batched bits."""
+    product = bf16_matmul._product
+    calls = []
+
+    def one_row_kernel_differs(rows, packed):
+        calls.append(rows.shape[0])
+        out = product(rows, packed)
+        return out + 1 if rows.shape[0] == 1 else out
+
+    monkeypatch.setattr(bf16_matmul, "_product", one_row_kernel_differs)
+    assert invariant_block([(24, 40)]) == bf16_matmul.BLOCK_ROWS
+    torch.manual_seed(0)
+    layer = Bf16Linear(torch.nn.Linear(24, 40, bias=False), block=4)
+    x = torch.randn(9, 24)  # blocks of 4, 4 and 1
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(layer(x), alone)
+    assert 1 not in calls
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_head_and_tied_weights_stay_float32(tie):
     model = _llama(16, 32, tie=tie, layers=2, vocab=16)
