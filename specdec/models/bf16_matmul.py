@@ -24,9 +24,12 @@ from K = 0 at its first token. The float32 noise came from two places:
   there, and on the AMX VM 1 to 32 rows did. So no row runs alone (a lone row goes as the first
   of two, the second zero) and rows run in blocks of at most `block`, checked at load against
   such pairs (`invariant_block` halves it until it holds).
-- attention over a multi-row query blocks its keys and masks otherwise than a one-row query does.
-  So a marked attention module (`ROWWISE`) runs each query row as a one-row query over the keys up
-  to its own position (`rowwise`), which is what a decode of that position runs.
+- attention over a multi-row query blocks its keys and masks otherwise than a one-row query does,
+  the kernel blocks keys by their count, and on several threads it splits its work by the batch's
+  size. So a marked attention module (`ROWWISE`) computes every query row, a decode's included,
+  in one form (`exact_rows`): one batch entry of the kernel, its keys padded up to a multiple of
+  EXACT_BUCKET positions and masked past its own, on one thread; rows that share a padded length
+  go as one call (a 384-token prompt: 12 calls a layer rather than 384 one-row calls).
 With both, a Verify's rows and a batch's sessions get the bits of one-token decodes (measured:
 logits within 4e-7 of |logit|, the output head's float32 noise, which nothing rounds later). A
 prefix stored once (cascade attention) reads the prefix in another order, so runners in this mode
@@ -34,6 +37,8 @@ copy forks instead, and uncached sequences run one by one rather than left-padde
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -175,29 +180,99 @@ def use_bf16_forwards(runner, exact: bool = True) -> int:
 
 
 def rowwise(attend):
-    """`attend` (transformers' attention signature) with each query row of a ROWWISE module run as
-    a one-row query, unmasked, over the keys up to its own position: the call a decode of that
-    position makes. The query rows must be the keys' last rows under a plain causal mask (or none:
-    is_causal); any other mask (left padding) runs row by row under its own mask rows."""
+    """`attend` (transformers' attention signature) with the query rows of a ROWWISE module
+    computed as a decode of each row's position computes it (`exact_rows`). The query rows must be
+    the keys' last rows under a plain causal mask (or none: is_causal); any other mask (left
+    padding, which exact runners do not make) runs row by row under its own mask rows."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if not getattr(module, ROWWISE, False):
             return attend(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)  # one row: nothing to mask but what attention_mask says
         rows, past = query.shape[2], key.shape[2] - query.shape[2]
-        plain = attention_mask is None or _plain_causal(attention_mask, past, rows)
+        if attention_mask is None or _plain_causal(attention_mask, past, rows):
+            gqa = getattr(module, "num_key_value_groups", 1) > 1
+            scale = kwargs.get("scaling")
+            outputs = [exact_rows(query[b : b + 1], key[b : b + 1], value[b : b + 1], scale, gqa) for b in range(len(query))]
+            return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
         outputs = []
         for i in range(rows):
-            if plain:
-                seen = slice(0, past + i + 1)
-                out, _ = attend(module, query[:, :, i : i + 1], key[:, :, seen], value[:, :, seen], None, **kwargs)
-            else:
-                mask = attention_mask[:, :, i : i + 1] if attention_mask.shape[2] > 1 else attention_mask
-                out, _ = attend(module, query[:, :, i : i + 1], key, value, mask, **kwargs)
+            mask = attention_mask[:, :, i : i + 1] if attention_mask.shape[2] > 1 else attention_mask
+            out, _ = attend(module, query[:, :, i : i + 1], key, value, mask, **kwargs)
             outputs.append(out)  # [B, 1, Hq, D]
         return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
 
     return attention
+
+
+def exact_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale, gqa: bool) -> torch.Tensor:
+    """[1, n, Hq, D]: attention of the query rows ([1, Hq, n, D]) at the keys' last n positions
+    (key, value: [1, Hkv, past + n, D]), each row computed as a decode of its position computes it.
+
+    The one form of every row: its keys padded up to a multiple of EXACT_BUCKET positions (the
+    spare positions of its cache's buffer, else zeros) and masked past its own position, as one
+    batch entry of the CPU kernel, run on one thread. Rows that share a padded length go as one
+    call. Why each part: the kernel blocks keys by their count (so the count must depend on the
+    row's position alone), and on several threads it splits its work by the batch's size, which
+    changes a row's sums; on one thread each batch entry is summed alike (measured: every row of
+    48- and 384-row calls equal to its one-row call, on 1 thread; not on 2)."""
+    rows = query.shape[2]
+    past = key.shape[2] - rows
+    width = _bucket(key.shape[2])
+    keys, values = _extended(key, width), _extended(value, width)
+    parts = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = 0
+        while start < rows:
+            length = _bucket(past + start + 1)
+            end = min(rows, length - past)
+            batch = end - start
+            # [batch, Hq, 1, D]: a row per entry (a decode's one row is that already)
+            rows_q = query if rows == 1 else query[0, :, start:end].transpose(0, 1).unsqueeze(2)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                rows_q,
+                keys[:, :, :length].expand(batch, -1, -1, -1),
+                values[:, :, :length].expand(batch, -1, -1, -1),
+                attn_mask=_row_masks(past + start, batch, length, query.dtype),
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            parts.append(out)
+            start = end
+    finally:
+        torch.set_num_threads(threads)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, Hq, 1, D]
+    return out.permute(2, 0, 1, 3)  # [1, n, Hq, D]
+
+
+EXACT_BUCKET = 32  # a row's keys are padded up to a multiple of this many positions
+
+
+def _bucket(positions: int) -> int:
+    return -(-positions // EXACT_BUCKET) * EXACT_BUCKET
+
+
+@functools.lru_cache(maxsize=64)
+def _row_masks(first: int, rows: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, 1, 1, length] additive: row i (position first + i) sees positions 0..first + i.
+    Cached: every layer of a forward asks for the same ones (read only)."""
+    hidden = torch.arange(length)[None, :] > (first + torch.arange(rows))[:, None]
+    return torch.zeros(rows, length, dtype=dtype).masked_fill_(hidden, float("-inf")).view(rows, 1, 1, length)
+
+
+def _extended(t: torch.Tensor, positions: int) -> torch.Tensor:
+    """t ([1, H, L, D]) over `positions` >= L positions: a view of its own storage where that holds
+    them (a cache buffer's spare positions: zeroed, or stale rows, finite either way, which the mask
+    hides), else t followed by zeros."""
+    if t.shape[2] >= positions:
+        return t
+    shape = (*t.shape[:2], positions, t.shape[3])
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(shape, t.stride(), strict=True))
+    if t.stride(2) >= t.shape[3] and t.stride(3) == 1 and last < t.untyped_storage().nbytes() // t.element_size():
+        return t.as_strided(shape, t.stride(), t.storage_offset())
+    return torch.cat([t, t.new_zeros((*t.shape[:2], positions - t.shape[2], t.shape[3]))], dim=2)
 
 
 # (mask, rows, plain) of the last mask seen: every layer of a forward gets the same mask object.

@@ -85,8 +85,10 @@ class ReservedLayer(DynamicLayer):
             return
         batch, heads, _, key_dim = like.shape
         capacity = _capacity(needed)
-        keys = like.new_empty((batch, heads, capacity, key_dim))
-        values = like_values.new_empty((batch, heads, capacity, like_values.shape[-1]))
+        # Zeroed: exact attention (`bf16_matmul.exact_rows`) reads spare positions, masked, and a
+        # masked position must hold a finite number (NaN + -inf is NaN).
+        keys = like.new_zeros((batch, heads, capacity, key_dim))
+        values = like_values.new_zeros((batch, heads, capacity, like_values.shape[-1]))
         if length:
             keys[:, :, :length].copy_(self.keys)
             values[:, :, :length].copy_(self.values)

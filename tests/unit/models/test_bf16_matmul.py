@@ -10,6 +10,8 @@ differs from the same positions decoded one by one by ~1e-2, and the row tests f
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -174,3 +176,61 @@ def test_rowwise_attention_is_attention_under_causal_and_padding_masks():
         got, _ = attend(module, q, k, v, mask)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         assert mask is None or bf16_matmul._plain_causal(mask, past, rows) == plain
+
+
+@contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cache_buffer(positions: int, spare: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a cache layer holds them: views of a buffer with spare positions that
+    hold stale rows (a rollback leaves them), which a row must not see."""
+    keys = torch.randn(1, 3, positions + spare, 64, generator=generator)
+    values = torch.randn(1, 3, positions + spare, 64, generator=generator)
+    return keys[:, :, :positions], values[:, :, :positions]
+
+
+@pytest.mark.parametrize("past, rows", [(0, 1), (0, 40), (20, 5), (30, 3), (100, 48), (505, 12)])
+def test_exact_rows_give_each_row_its_decode_bits(past, rows):
+    """Every row of a many-row call (a prompt, a Verify), across padded lengths and past stale
+    spare positions, gets the bits of its own decode (a one-row call over the keys up to it), on
+    the two threads a service runs: SmolLM2's heads (9 query heads over 3 key/value heads of 64)."""
+    generator = torch.Generator().manual_seed(past + rows)
+    keys, values = _cache_buffer(past + rows, 64, generator)
+    query = torch.randn(1, 9, rows, 64, generator=generator)
+    with _threads(2):
+        together = bf16_matmul.exact_rows(query, keys, values, 0.125, True)  # [1, rows, 9, 64]
+        alone = [
+            bf16_matmul.exact_rows(query[:, :, i : i + 1], keys[:, :, : past + i + 1], values[:, :, : past + i + 1], 0.125, True)
+            for i in range(rows)
+        ]
+    assert together.shape == (1, rows, 9, 64)
+    assert all(torch.equal(together[:, i : i + 1], row) for i, row in enumerate(alone))
+    # ... and it is attention over the row's own keys (to float32 noise).
+    expected = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, i : i + 1], keys[:, :, : past + i + 1], values[:, :, : past + i + 1], scale=0.125, enable_gqa=True
+            )
+            for i in range(rows)
+        ],
+        dim=2,
+    ).transpose(1, 2)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_keys_are_the_buffer_s_spare_positions_or_zeros():
+    generator = torch.Generator().manual_seed(0)
+    keys, _ = _cache_buffer(40, 24, generator)
+    view = bf16_matmul._extended(keys, 64)
+    assert view.shape == (1, 3, 64, 64) and view.data_ptr() == keys.data_ptr()  # no copy
+    assert torch.equal(view[:, :, :40], keys)
+    fresh = torch.randn(1, 40, 3, 64, generator=generator).transpose(1, 2)  # a projection's own keys: no room
+    padded = bf16_matmul._extended(fresh, 64)
+    assert torch.equal(padded[:, :, :40], fresh) and not padded[:, :, 40:].any()
