@@ -38,6 +38,7 @@ copy forks instead, and uncached sequences run one by one rather than left-padde
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import torch
@@ -190,7 +191,7 @@ def rowwise(attend):
             return attend(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)  # one row: nothing to mask but what attention_mask says
         rows, past = query.shape[2], key.shape[2] - query.shape[2]
-        if attention_mask is None or _plain_causal(attention_mask, past, rows):
+        if attention_mask is None or plain_causal(attention_mask, past, rows):
             gqa = getattr(module, "num_key_value_groups", 1) > 1
             scale = kwargs.get("scaling")
             outputs = [exact_rows(query[b : b + 1], key[b : b + 1], value[b : b + 1], scale, gqa) for b in range(len(query))]
@@ -216,35 +217,85 @@ def exact_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     row's position alone), and on several threads it splits its work by the batch's size, which
     changes a row's sums; on one thread each batch entry is summed alike (measured: every row of
     48- and 384-row calls equal to its one-row call, on 1 thread; not on 2)."""
+    return exact_rows_many([(query, key, value)], scale, gqa)[0]
+
+
+def exact_rows_many(jobs, scale, gqa: bool) -> list[torch.Tensor]:
+    """`exact_rows` of every (query, key, value) in `jobs` (a step's sessions), their kernel calls
+    shared between this thread and a helper, each call on one thread as that form needs, so the
+    calls of a step or a prompt still use two cores."""
+    calls, shapes = [], []
+    for query, key, value in jobs:
+        segment = _calls(query, key, value, scale, gqa)
+        calls += segment
+        shapes.append(len(segment))
+    threads = torch.get_num_threads()
+    outputs = _run_calls(calls, helper=threads > 1 and len(calls) > 1)
+    results, at = [], 0
+    for count in shapes:
+        part = outputs[at] if count == 1 else torch.cat(outputs[at : at + count])  # [n, Hq, 1, D]
+        results.append(part.permute(2, 0, 1, 3))  # [1, n, Hq, D]
+        at += count
+    return results
+
+
+def _calls(query, key, value, scale, gqa: bool) -> list[tuple]:
+    """The kernel calls of one sequence's rows: (arguments, keyword arguments, cost)."""
     rows = query.shape[2]
     past = key.shape[2] - rows
     width = _bucket(key.shape[2])
     keys, values = _extended(key, width), _extended(value, width)
-    parts = []
+    calls, start = [], 0
+    while start < rows:
+        length = _bucket(past + start + 1)
+        end = min(rows, length - past)
+        batch = end - start
+        # [batch, Hq, 1, D]: a row per entry (a decode's one row is that already)
+        rows_q = query if rows == 1 else query[0, :, start:end].transpose(0, 1).unsqueeze(2)
+        args = (rows_q, keys[:, :, :length].expand(batch, -1, -1, -1), values[:, :, :length].expand(batch, -1, -1, -1))
+        kwargs = {"attn_mask": _row_masks(past + start, batch, length, query.dtype), "scale": scale, "enable_gqa": gqa}
+        calls.append((args, kwargs, batch * length))
+        start = end
+    return calls
+
+
+def _run_calls(calls: list[tuple], helper: bool) -> list[torch.Tensor]:
+    """Each call's output, every call on one thread: the larger ones first, each to whichever of
+    this thread and the helper has less work so far (the helper only if `helper`)."""
+    outputs: list[torch.Tensor | None] = [None] * len(calls)
+    mine, theirs, load = [], [], [0, 0]
+    for index in sorted(range(len(calls)), key=lambda i: -calls[i][2]):
+        side = 1 if helper and load[1] < load[0] else 0
+        (theirs if side else mine).append(index)
+        load[side] += calls[index][2]
+    future = _helper().submit(_attend, calls, theirs) if theirs else None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = 0
-        while start < rows:
-            length = _bucket(past + start + 1)
-            end = min(rows, length - past)
-            batch = end - start
-            # [batch, Hq, 1, D]: a row per entry (a decode's one row is that already)
-            rows_q = query if rows == 1 else query[0, :, start:end].transpose(0, 1).unsqueeze(2)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                rows_q,
-                keys[:, :, :length].expand(batch, -1, -1, -1),
-                values[:, :, :length].expand(batch, -1, -1, -1),
-                attn_mask=_row_masks(past + start, batch, length, query.dtype),
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            parts.append(out)
-            start = end
+        for index, out in zip(mine, _attend(calls, mine), strict=True):
+            outputs[index] = out
     finally:
         torch.set_num_threads(threads)
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, Hq, 1, D]
-    return out.permute(2, 0, 1, 3)  # [1, n, Hq, D]
+    if future is not None:
+        for index, out in zip(theirs, future.result(), strict=True):
+            outputs[index] = out
+    return outputs
+
+
+def _attend(calls: list[tuple], indices: list[int]) -> list[torch.Tensor]:
+    return [torch.nn.functional.scaled_dot_product_attention(*calls[i][0], **calls[i][1]) for i in indices]
+
+
+@functools.cache
+def _helper() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that runs a share of the exact attention calls: on one torch thread (set before
+    its first torch call, which would take the count another thread set last), so it holds no
+    OpenMP team (a second team would throttle the model thread's: `openmp_env`)."""
+    from specdec.models.threads import set_torch_threads
+
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="exact-attention", initializer=set_torch_threads, initargs=(1,)
+    )
 
 
 EXACT_BUCKET = 32  # a row's keys are padded up to a multiple of this many positions
@@ -280,7 +331,7 @@ def _extended(t: torch.Tensor, positions: int) -> torch.Tensor:
 _last_mask: tuple = (None, 0, False)
 
 
-def _plain_causal(mask: torch.Tensor, past: int, rows: int) -> bool:
+def plain_causal(mask: torch.Tensor, past: int, rows: int) -> bool:
     """Whether `mask` ([B, 1, rows, past + rows], bool or additive float) lets query row i see
     exactly keys 0..past + i, for every batch row."""
     global _last_mask

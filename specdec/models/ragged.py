@@ -80,23 +80,33 @@ def ragged_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specdec.models.bf16_matmul import rowwise
+    from specdec.models.bf16_matmul import ROWWISE, exact_rows_many, plain_causal, rowwise
 
-    attend = rowwise(sdpa_attention_forward)  # rows one by one where the model asks (bfloat16 products)
+    attend = rowwise(sdpa_attention_forward)
     if ragged is None:
         raise RuntimeError("ragged attention called outside ragged_forward")
     outputs: list[torch.Tensor | None] = [None] * len(ragged.segments)
     prefixed: dict[tuple[int, int], list[int]] = {}  # (id of the prefix's root, length) -> segment indices
+    exact: list[tuple[int, tuple]] = []  # (segment index, (query rows, keys, values)) in the exact form
     for index, seg in enumerate(ragged.segments):
         rows = slice(seg.start, seg.end)
         layer = seg.kv.layers[module.layer_idx]
         if getattr(layer, "prefix_keys", None) is None:
             # The session's keys/values through this segment: [1, Hkv, past + n, D].
             keys, values = seg.kv.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
-            outputs[index], _ = attend(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
+            n = seg.end - seg.start
+            if getattr(module, ROWWISE, False) and (seg.mask is None or plain_causal(seg.mask, keys.shape[2] - n, n)):
+                exact.append((index, (query[:, :, rows], keys, values)))  # bfloat16 products: all at once, below
+            else:
+                outputs[index], _ = attend(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
         else:
             layer.append(key[:, :, rows], value[:, :, rows])
             prefixed.setdefault((id(layer.prefix_root), layer.prefix_len), []).append(index)
+    if exact:
+        gqa = getattr(module, "num_key_value_groups", 1) > 1
+        results = exact_rows_many([job for _, job in exact], kwargs.get("scaling"), gqa)
+        for (index, _), out in zip(exact, results, strict=True):
+            outputs[index] = out  # [1, n, Hq, D]
     for group in prefixed.values():
         segments = [ragged.segments[i] for i in group]
         for index, out in zip(group, _after_prefix(module, query, segments, kwargs.get("scaling")), strict=True):

@@ -175,7 +175,7 @@ def test_rowwise_attention_is_attention_under_causal_and_padding_masks():
         expected, _ = sdpa_attention_forward(module, q, k, v, causal if mask is None else mask)
         got, _ = attend(module, q, k, v, mask)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-        assert mask is None or bf16_matmul._plain_causal(mask, past, rows) == plain
+        assert mask is None or bf16_matmul.plain_causal(mask, past, rows) == plain
 
 
 @contextmanager
@@ -234,3 +234,19 @@ def test_padded_keys_are_the_buffer_s_spare_positions_or_zeros():
     fresh = torch.randn(1, 40, 3, 64, generator=generator).transpose(1, 2)  # a projection's own keys: no room
     padded = bf16_matmul._extended(fresh, 64)
     assert torch.equal(padded[:, :, :40], fresh) and not padded[:, :, 40:].any()
+
+
+def test_a_step_s_sessions_share_two_workers_and_keep_their_bits():
+    """Decodes and Verifies of several sessions in one call (`exact_rows_many`, as a batched step
+    runs them): the calls go to this thread and the helper, and each session's rows get the bits
+    they get alone."""
+    generator = torch.Generator().manual_seed(1)
+    jobs = []
+    for past, rows in ((400, 1), (31, 1), (96, 5), (0, 70), (200, 1)):
+        keys, values = _cache_buffer(past + rows, 64, generator)
+        jobs.append((torch.randn(1, 9, rows, 64, generator=generator), keys, values))
+    with _threads(2):
+        together = bf16_matmul.exact_rows_many(jobs, 0.125, True)
+        with _threads(1):
+            alone = [bf16_matmul.exact_rows(*job, 0.125, True) for job in jobs]  # one worker, no helper
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
