@@ -191,10 +191,9 @@ def rowwise(attend):
             return attend(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)  # one row: nothing to mask but what attention_mask says
         rows, past = query.shape[2], key.shape[2] - query.shape[2]
-        if attention_mask is None or plain_causal(attention_mask, past, rows):
-            gqa = getattr(module, "num_key_value_groups", 1) > 1
-            scale = kwargs.get("scaling")
-            outputs = [exact_rows(query[b : b + 1], key[b : b + 1], value[b : b + 1], scale, gqa) for b in range(len(query))]
+        if exact_form(module, attention_mask, past, rows):
+            jobs = [(query[b : b + 1], key[b : b + 1], value[b : b + 1]) for b in range(len(query))]
+            outputs = exact_rows_many(jobs, kwargs.get("scaling"), uses_gqa(module))
             return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
         outputs = []
         for i in range(rows):
@@ -204,6 +203,16 @@ def rowwise(attend):
         return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
 
     return attention
+
+
+def exact_form(module, mask: torch.Tensor | None, past: int, rows: int) -> bool:
+    """Whether `module`'s rows after `past` cached positions, under `mask`, are computed in the
+    exact form (`exact_rows`): a ROWWISE module under a plain causal mask or none."""
+    return getattr(module, ROWWISE, False) and (mask is None or plain_causal(mask, past, rows))
+
+
+def uses_gqa(module) -> bool:
+    return getattr(module, "num_key_value_groups", 1) > 1
 
 
 def exact_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale, gqa: bool) -> torch.Tensor:
@@ -229,8 +238,7 @@ def exact_rows_many(jobs, scale, gqa: bool) -> list[torch.Tensor]:
         segment = _calls(query, key, value, scale, gqa)
         calls += segment
         shapes.append(len(segment))
-    threads = torch.get_num_threads()
-    outputs = _run_calls(calls, helper=threads > 1 and len(calls) > 1)
+    outputs = _run_calls(calls)
     results, at = [], 0
     for count in shapes:
         part = outputs[at] if count == 1 else torch.cat(outputs[at : at + count])  # [n, Hq, 1, D]
@@ -259,9 +267,12 @@ def _calls(query, key, value, scale, gqa: bool) -> list[tuple]:
     return calls
 
 
-def _run_calls(calls: list[tuple], helper: bool) -> list[torch.Tensor]:
+def _run_calls(calls: list[tuple]) -> list[torch.Tensor]:
     """Each call's output, every call on one thread: the larger ones first, each to whichever of
-    this thread and the helper has less work so far (the helper only if `helper`)."""
+    this thread and the helper has less work so far (the helper only where this thread runs on
+    several and there are several calls)."""
+    threads = torch.get_num_threads()
+    helper = threads > 1 and len(calls) > 1
     outputs: list[torch.Tensor | None] = [None] * len(calls)
     mine, theirs, load = [], [], [0, 0]
     for index in sorted(range(len(calls)), key=lambda i: -calls[i][2]):
@@ -269,7 +280,6 @@ def _run_calls(calls: list[tuple], helper: bool) -> list[torch.Tensor]:
         (theirs if side else mine).append(index)
         load[side] += calls[index][2]
     future = _helper().submit(_attend, calls, theirs) if theirs else None
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for index, out in zip(mine, _attend(calls, mine), strict=True):

@@ -80,7 +80,7 @@ def ragged_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specdec.models.bf16_matmul import ROWWISE, exact_rows_many, plain_causal, rowwise
+    from specdec.models.bf16_matmul import exact_form, exact_rows_many, rowwise, uses_gqa
 
     attend = rowwise(sdpa_attention_forward)
     if ragged is None:
@@ -95,7 +95,7 @@ def ragged_attention(
             # The session's keys/values through this segment: [1, Hkv, past + n, D].
             keys, values = seg.kv.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
             n = seg.end - seg.start
-            if getattr(module, ROWWISE, False) and (seg.mask is None or plain_causal(seg.mask, keys.shape[2] - n, n)):
+            if exact_form(module, seg.mask, keys.shape[2] - n, n):
                 exact.append((index, (query[:, :, rows], keys, values)))  # bfloat16 products: all at once, below
             else:
                 outputs[index], _ = attend(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
@@ -103,8 +103,7 @@ def ragged_attention(
             layer.append(key[:, :, rows], value[:, :, rows])
             prefixed.setdefault((id(layer.prefix_root), layer.prefix_len), []).append(index)
     if exact:
-        gqa = getattr(module, "num_key_value_groups", 1) > 1
-        results = exact_rows_many([job for _, job in exact], kwargs.get("scaling"), gqa)
+        results = exact_rows_many([job for _, job in exact], kwargs.get("scaling"), uses_gqa(module))
         for (index, _), out in zip(exact, results, strict=True):
             outputs[index] = out  # [1, n, Hq, D]
     for group in prefixed.values():
