@@ -6,6 +6,7 @@ target alone (K = 0) measured in the same run, interleaved, as the baseline of e
   python scripts/bench.py --prompts my.jsonl           your own prompts (see below)
   python scripts/bench.py --modes grpc                 through the real stack (started per drafter)
   python scripts/bench.py --modes grpc,in-process      both, interleaved: the pipeline's own cost per round
+  python scripts/bench.py --modes in-process,hf-generate  and Hugging Face `generate` on the same target
   python scripts/bench.py --address HOST:PORT          a stack that is already up (grpc mode, its one drafter)
   python scripts/bench.py --background-load 2          the same under 2 busy CPU processes
   python scripts/bench.py --json                       one JSON object per row on stdout (progress on stderr)
@@ -33,8 +34,9 @@ before every conversation, so no config is drafted from another config's answer 
 prompt; the grpc mode cannot reset the draft service, so its suffix rows include that reuse.
 
 Per row: tokens/s (generated tokens / client-side wall time of the calls), the ratio to K = 0 of the
-same drafter, workload, temperature and mode, acceptance, tokens and drafted tokens per round, and
-milliseconds per round in Propose calls (draft), Verify calls (verify) and the rest of the engine's
+same drafter, workload, temperature and mode, the ratio to Hugging Face `generate` (mode hf-generate:
+transformers' own decoding of the same target and tokens, run beside every K = 0, no K of its own),
+acceptance, tokens and drafted tokens per round, and milliseconds per round in Propose calls (draft), Verify calls (verify) and the rest of the engine's
 wall time (other: accept/reject, laws, text, Redis; the non-model overhead). Summary rows: per
 drafter x mode x temperature x K, the mean ratio over the input-grounded workloads and the minimum
 over all workloads; then the issue's targets, met or not.
@@ -44,11 +46,11 @@ over all workloads; then the issue's targets, met or not.
             repeats, conversations, prompts, background_load, cpus, python; drafters is
             label -> {model, lookup}
   row       drafter, mode, workload, temperature, k, background_load, conversations, requests, tokens,
-            seconds, tokens_per_s, ratio_vs_k0, acceptance_rate, tokens_per_round, drafted_per_round,
+            seconds, tokens_per_s, ratio_vs_k0, ratio_vs_hf, acceptance_rate, tokens_per_round, drafted_per_round,
             rounds, draft_ms_per_round, verify_ms_per_round, other_ms_per_round, call_ms_per_request
             (per request outside the engine: validation, tokenisation, sessions, gRPC)
   summary   drafter, mode, temperature, k, background_load, workloads, grounded_mean_ratio,
-            grounded_target, min_ratio, min_ratio_workload, auto_floor
+            grounded_target, grounded_mean_vs_hf, min_ratio, min_ratio_workload, auto_floor
   target    check (grounded_mean | auto_floor), mode, temperature, target, value, met, drafter, k, workload
   pipeline  (both modes) drafter, temperature, k, in_process_vs_grpc, ms_per_round
 """
@@ -56,6 +58,7 @@ over all workloads; then the issue's targets, met or not.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -65,6 +68,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, redirect_stdout
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -78,7 +82,8 @@ from workloads import INPUT_GROUNDED, WORKLOADS, Conversation
 from specdec.models.openmp_env import set_openmp_defaults
 from specdec.models.sources import DEFAULT_DRAFT as DISTILLED_DRAFT  # `model`: not stack's default draft
 
-MODES = ("grpc", "in-process")
+HF_MODE = "hf-generate"  # Hugging Face `generate` on the same target: what users would run instead
+MODES = ("grpc", "in-process", HF_MODE)
 MODEL_DRAFTER = "model"  # the distilled draft given by --draft
 DEFAULT_DRAFTERS = "model,ngram"
 # The issue's targets, shown next to the summary rows.
@@ -145,6 +150,9 @@ class InProcessRunner:
         if callable(reset := getattr(drafter, "reset", None)):
             reset()
 
+    def generate(self, prompt, chat: bool = False, **kwargs):
+        return self.pipeline.generate(prompt, chat=chat, **kwargs)
+
     def run(self, conversation: Conversation, **kwargs) -> list[Call]:
         self.forget_draft_state()
         calls, history = [], []
@@ -152,15 +160,76 @@ class InProcessRunner:
             if history:
                 prompt_ids = history + self._turn_ids(text, continuing=True)
                 started = time.perf_counter()
-                response = self.pipeline.generate(prompt_ids, **kwargs)
+                response = self.generate(prompt_ids, **kwargs)
             else:  # a first turn is text with chat=True, exactly as the client sends it
                 started = time.perf_counter()
-                response = self.pipeline.generate(text, chat=True, **kwargs)
+                response = self.generate(text, chat=True, **kwargs)
             calls.append(Call(response.stats, time.perf_counter() - started))
             if conversation.turns:  # what a session would hold now: the prompt's tokens and the answer
                 prompt_ids = prompt_ids if history else self._turn_ids(text, continuing=False)
                 history = prompt_ids + list(response.completions[0].token_ids)
         return calls
+
+
+@dataclass(frozen=True)
+class GenerateStats:
+    """What an HF `generate` call reports in GenerationStats' terms: one forward per token."""
+
+    generated_tokens: int
+    total_time_s: float
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_time_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return self.generated_tokens
+
+    @property
+    def verify_time_s(self) -> float:
+        return self.total_time_s
+
+
+class HfGenerateRunner(InProcessRunner):
+    """The baseline users would run instead: transformers' `generate` on a fresh copy of the target
+    (its own dynamic KV cache, greedy or plain sampling at T), the same tokens and seed. It runs on the
+    pipeline's model thread: a second OpenMP team in one process throttles the other's forwards."""
+
+    def __init__(self, pipeline, target: str):
+        super().__init__(pipeline)
+        from specdec.models.loading import load_causal_lm
+
+        self.runner = pipeline.target.runner
+        self.model, _ = self.runner.on_model_thread(load_causal_lm, target)
+        eos = self.model.generation_config.eos_token_id
+        self.pad_id = (eos[0] if isinstance(eos, list) and eos else eos) or 0  # only to quiet a warning
+
+    def forget_draft_state(self) -> None:
+        pass
+
+    def generate(self, prompt, chat: bool = False, **kwargs) -> SimpleNamespace:
+        ids = self._turn_ids(prompt, continuing=False) if chat else list(prompt)
+        started = time.perf_counter()
+        tokens = self.runner.on_model_thread(self._generate, ids, **kwargs)
+        stats = GenerateStats(len(tokens), time.perf_counter() - started)
+        return SimpleNamespace(stats=stats, completions=[SimpleNamespace(token_ids=tokens)])
+
+    def _generate(self, ids, max_new_tokens, temperature, seed, ignore_eos, num_speculative_tokens=None):
+        import torch
+
+        torch.manual_seed(seed)
+        config = copy.deepcopy(self.model.generation_config)
+        config.update(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, top_k=None, top_p=None)
+        config.update(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None)
+        # As the engine's ignore_eos: EOS may be drawn and does not stop (min_new_tokens would forbid
+        # it). No EOS ids, not None: generate fills None in from the model's defaults.
+        if ignore_eos:
+            config.eos_token_id = []
+        with torch.inference_mode():
+            out = self.model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), generation_config=config
+            )
+        return out[0, len(ids) :].tolist()
 
 
 @dataclass(frozen=True)
@@ -202,7 +271,7 @@ def open_runners(drafter: Drafter, modes: list[str], args) -> Iterator[dict]:
         runners = {}
         if "grpc" in modes:
             runners["grpc"] = GrpcRunner(exits.enter_context(_grpc_client(drafter, args)))
-        if "in-process" in modes:
+        if "in-process" in modes or HF_MODE in modes:
             from specdec.inprocess import InProcessPipeline
 
             # lookup only for a hybrid: other drafters keep the pipeline's own default.
@@ -210,7 +279,10 @@ def open_runners(drafter: Drafter, modes: list[str], args) -> Iterator[dict]:
             # Closed with the drafter: a pipeline left open keeps its model thread's OpenMP team,
             # which throttled the next drafter's forwards (its K = 0 rounds 1.4x slower, measured).
             pipeline = exits.enter_context(InProcessPipeline(args.target, drafter.model, **extra))
-            runners["in-process"] = InProcessRunner(pipeline)
+            if "in-process" in modes:
+                runners["in-process"] = InProcessRunner(pipeline)
+            if HF_MODE in modes:
+                runners[HF_MODE] = HfGenerateRunner(pipeline, args.target)
         yield runners
 
 
@@ -341,6 +413,8 @@ def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
                 for k in rotated(plan.ks, i + rep):
                     kwargs = _request_kwargs(plan, temperature, k, seed, plan.max_new_tokens)
                     for mode, runner in runners.items():
+                        if mode == HF_MODE and k != 0:  # it has no K: one run beside each K = 0
+                            continue
                         calls = runner.run(conv, **kwargs)
                         key = (drafter, mode, conv.workload, temperature, k)
                         plan.totals.setdefault(key, Tally()).add(calls)
@@ -362,10 +436,14 @@ def _per_round(seconds: float, rounds: int) -> float | None:
     return 1e3 * seconds / rounds if rounds else None
 
 
-def row(key: tuple, tally: Tally, base: Tally | None, background_load: int) -> dict:
+def _tokens_per_s(tally: Tally | None) -> float | None:
+    return tally.tokens / tally.seconds if tally and tally.seconds else None
+
+
+def row(key: tuple, tally: Tally, base: Tally | None, background_load: int, hf: Tally | None = None) -> dict:
     drafter, mode, workload, temperature, k = key
-    tps = tally.tokens / tally.seconds if tally.seconds else 0.0
-    base_tps = base.tokens / base.seconds if base and base.seconds else None
+    tps = _tokens_per_s(tally) or 0.0
+    base_tps, hf_tps = _tokens_per_s(base), _tokens_per_s(hf)
     return {
         "type": "row",
         "drafter": drafter,
@@ -380,6 +458,8 @@ def row(key: tuple, tally: Tally, base: Tally | None, background_load: int) -> d
         "seconds": tally.seconds,
         "tokens_per_s": tps,
         "ratio_vs_k0": tps / base_tps if base_tps else None,
+        # Against HF `generate` on the same conversations (the hf-generate mode, when run).
+        "ratio_vs_hf": tps / hf_tps if hf_tps else None,
         "acceptance_rate": tally.accepted / tally.drafted if tally.drafted else None,
         "tokens_per_round": tally.tokens / tally.rounds if tally.rounds else None,
         "drafted_per_round": tally.drafted / tally.rounds if tally.rounds else None,
@@ -415,7 +495,8 @@ def rows(plan: Plan, background_load: int) -> list[dict]:
     for key in _ordered_keys(plan):
         drafter, mode, workload, temperature, _ = key
         base = plan.totals.get((drafter, mode, workload, temperature, 0))
-        out.append(row(key, plan.totals[key], base, background_load))
+        hf = plan.totals.get((drafter, HF_MODE, workload, temperature, 0))
+        out.append(row(key, plan.totals[key], base, background_load, hf))
     return out
 
 
@@ -428,6 +509,7 @@ def summaries(result_rows: list[dict]) -> list[dict]:
     out = []
     for (drafter, mode, temperature, k), group in groups.items():
         grounded = [r["ratio_vs_k0"] for r in group if r["workload"] in INPUT_GROUNDED]
+        vs_hf = [r["ratio_vs_hf"] for r in group if r["workload"] in INPUT_GROUNDED and r["ratio_vs_hf"]]
         lowest = min(group, key=lambda r: r["ratio_vs_k0"])
         out.append(
             {
@@ -440,6 +522,7 @@ def summaries(result_rows: list[dict]) -> list[dict]:
                 "workloads": [r["workload"] for r in group],
                 "grounded_mean_ratio": sum(grounded) / len(grounded) if grounded else None,
                 "grounded_target": GROUNDED_TARGETS.get(temperature),
+                "grounded_mean_vs_hf": sum(vs_hf) / len(vs_hf) if vs_hf else None,
                 "min_ratio": lowest["ratio_vs_k0"],
                 "min_ratio_workload": lowest["workload"],
                 "auto_floor": AUTO_FLOOR if k == "auto" else None,
@@ -494,7 +577,7 @@ def pipeline_costs(totals: dict) -> list[dict]:
         by_mode[mode] = by_mode[mode].merged(tally) if mode in by_mode else tally
     out = []
     for (drafter, temperature, k), by_mode in merged.items():
-        if set(by_mode) != set(MODES):
+        if not {"grpc", "in-process"} <= set(by_mode):
             continue
         grpc_t, local_t = by_mode["grpc"], by_mode["in-process"]
         out.append(
@@ -517,8 +600,8 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def format_rows(result_rows: list[dict]) -> list[str]:
     lines = []
     header = (
-        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'accept':>7} {'tok/rnd':>7} {'drft/rnd':>8}"
-        f" | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
+        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'vs HF':>6} {'accept':>7} {'tok/rnd':>7}"
+        f" {'drft/rnd':>8} | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
     )
     group = None
     for r in result_rows:
@@ -527,6 +610,7 @@ def format_rows(result_rows: list[dict]) -> list[str]:
             lines += ["", f"drafter {r['drafter']}, {r['mode']}, T={r['temperature']:g}", header]
         lines.append(
             f"  {r['workload']:<16} {r['k']!s:<4} {r['tokens_per_s']:>7.2f} {_fmt(r['ratio_vs_k0'], '.2f', 'x'):>7} "
+            f"{_fmt(r['ratio_vs_hf'], '.2f', 'x'):>6} "
             f"{_fmt(r['acceptance_rate'], '.3f'):>7} {_fmt(r['tokens_per_round'], '.2f'):>7} "
             f"{_fmt(r['drafted_per_round'], '.2f'):>8} | {'':>9} {_fmt(r['draft_ms_per_round'], '.1f'):>6} "
             f"{_fmt(r['verify_ms_per_round'], '.1f'):>7} {_fmt(r['other_ms_per_round'], '.1f'):>6}"
@@ -537,13 +621,15 @@ def format_rows(result_rows: list[dict]) -> list[str]:
 def format_summaries(summary_rows: list[dict]) -> list[str]:
     lines = ["", "summary: ratio to K=0 (input-grounded = " + ", ".join(INPUT_GROUNDED) + ")"]
     lines.append(
-        f"  {'drafter':<10} {'mode':<10} {'T':>3} {'K':<4} {'grounded mean':>13} {'target':>6}   min (workload)"
+        f"  {'drafter':<10} {'mode':<10} {'T':>3} {'K':<4} {'grounded mean':>13} {'target':>6} {'vs HF':>6}"
+        "   min (workload)"
     )
     for s in summary_rows:
         floor = f"  (auto floor {s['auto_floor']:.2f}x)" if s["auto_floor"] else ""
         lines.append(
             f"  {s['drafter']:<10} {s['mode']:<10} {s['temperature']:>3g} {s['k']!s:<4} "
-            f"{_fmt(s['grounded_mean_ratio'], '.2f', 'x'):>13} {_fmt(s['grounded_target'], '.1f', 'x'):>6}   "
+            f"{_fmt(s['grounded_mean_ratio'], '.2f', 'x'):>13} {_fmt(s['grounded_target'], '.1f', 'x'):>6} "
+            f"{_fmt(s['grounded_mean_vs_hf'], '.2f', 'x'):>6}   "
             f"{s['min_ratio']:.2f}x ({s['min_ratio_workload']}){floor}"
         )
     return lines
@@ -625,7 +711,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,1", help="comma list of temperatures (0 = greedy)")
     p.add_argument("--temperature", type=float, help="one temperature (same as --temperatures T)")
     p.add_argument(
-        "--modes", help="in-process, grpc (the real stack), or both (default: in-process; grpc with --address)"
+        "--modes",
+        help=f"comma list of in-process, grpc (the real stack), {HF_MODE} (the baseline: transformers' generate "
+        "on the same target, in process) (default: in-process; grpc with --address)",
     )
     p.add_argument("--in-process", action="store_true", help="same as --modes in-process")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of built-in workloads")

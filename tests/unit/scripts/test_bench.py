@@ -22,13 +22,13 @@ from workloads import WORKLOADS
 
 ROW_FIELDS = {
     "type", "drafter", "mode", "workload", "temperature", "k", "background_load", "conversations", "requests",
-    "tokens", "seconds", "tokens_per_s", "ratio_vs_k0", "acceptance_rate", "tokens_per_round",
+    "tokens", "seconds", "tokens_per_s", "ratio_vs_k0", "ratio_vs_hf", "acceptance_rate", "tokens_per_round",
     "drafted_per_round", "rounds", "draft_ms_per_round", "verify_ms_per_round", "other_ms_per_round",
     "call_ms_per_request",
 }  # fmt: skip
 SUMMARY_FIELDS = {
     "type", "drafter", "mode", "temperature", "k", "background_load", "workloads", "grounded_mean_ratio",
-    "grounded_target", "min_ratio", "min_ratio_workload", "auto_floor",
+    "grounded_target", "grounded_mean_vs_hf", "min_ratio", "min_ratio_workload", "auto_floor",
 }  # fmt: skip
 # Prefix-stable, as the coordinator's continued-session rendering needs.
 CHAT_TEMPLATE = (
@@ -78,6 +78,7 @@ def test_bench_runs_every_workload_drafter_and_k_in_process(chat_pair, capsys):
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["rounds"] > 0
         assert r["verify_ms_per_round"] > 0 and r["other_ms_per_round"] is not None
         assert r["requests"] == (3 if r["workload"] == "multi-turn-chat" else 1)
+        assert r["ratio_vs_hf"] is None  # no hf-generate mode in this run
         if r["k"] == 0:
             assert r["ratio_vs_k0"] == 1.0 and r["acceptance_rate"] is None and r["draft_ms_per_round"] == 0
     # Greedy speculation emits the target's own tokens: same count at every K.
@@ -104,6 +105,49 @@ def test_bench_reads_a_prompt_file_and_prints_a_table(chat_pair, tmp_path, capsy
     assert bench.main([*args, "--prompts", str(prompts), "--max-new-tokens", "4", "--ignore-eos"]) == 0
     out = capsys.readouterr().out
     assert "drafter ngram, in-process, T=1" in out and "mine" in out and "summary" in out
+
+
+def test_hf_generate_runs_beside_each_k0_and_every_row_gets_its_ratio(chat_pair, capsys):
+    target, draft = chat_pair
+    args = ["--target", target, "--draft", draft, "--drafters", "ngram", "--ks", "2", "--workloads", "code-editing"]
+    args += ["--modes", "in-process,hf-generate", "--per-workload", "1", "--max-chars", "300", "--max-new-tokens", "5"]
+    objects = _run_json(capsys, [*args, "--temperatures", "0,1", "--ignore-eos"])
+    rows = [o for o in objects if o["type"] == "row"]
+    assert {(r["mode"], r["temperature"], r["k"]) for r in rows} == {
+        (m, t, k) for t in (0.0, 1.0) for m, k in (("in-process", 0), ("in-process", 2), ("hf-generate", 0))
+    }
+    hf = {r["temperature"]: r for r in rows if r["mode"] == "hf-generate"}
+    for r in rows:
+        assert r["tokens"] == 5, r
+        assert r["ratio_vs_hf"] == pytest.approx(r["tokens_per_s"] / hf[r["temperature"]]["tokens_per_s"])
+    assert all(r["rounds"] == r["tokens"] and r["other_ms_per_round"] == 0 for r in hf.values())
+    assert all(o["mode"] == "in-process" for o in objects if o["type"] == "target")
+    (summary,) = [o for o in objects if o["type"] == "summary" and o["temperature"] == 0 and o["k"] == 2]
+    assert summary["grounded_mean_vs_hf"] == pytest.approx(
+        next(r["ratio_vs_hf"] for r in rows if (r["mode"], r["temperature"], r["k"]) == ("in-process", 0.0, 2))
+    )
+
+
+def test_hf_generate_is_the_same_work_as_the_target_alone(chat_pair):
+    """The baseline decodes what the pipeline at K = 0 does: the same greedy tokens, and as many
+    sampled ones (HF's own random stream, so not the same draws)."""
+    from specdec.inprocess import InProcessPipeline
+
+    target, _ = chat_pair
+    with InProcessPipeline(target, None) as pipeline:
+        hf = bench.HfGenerateRunner(pipeline, target)
+        ids = hf._turn_ids("a b c d a b c", continuing=False)
+        for temperature in (0.0, 1.0):
+            kwargs = {"max_new_tokens": 12, "temperature": temperature, "seed": 3, "ignore_eos": True}
+            ours = pipeline.generate(ids, num_speculative_tokens=0, **kwargs).completions[0].token_ids
+            theirs = hf.generate(ids, **kwargs).completions[0].token_ids
+            assert len(theirs) == len(ours) == 12
+            if temperature == 0:
+                assert list(theirs) == list(ours)
+                greedy = list(theirs)
+            else:  # it samples: a tiny random model's near-flat laws do not give greedy's 12 tokens
+                assert list(theirs) != greedy
+            assert hf.generate(ids, **kwargs).completions[0].token_ids == theirs  # seeded
 
 
 def test_bad_options_are_clear_errors(tmp_path):
