@@ -36,8 +36,9 @@ prompt; the grpc mode cannot reset the draft service, so its suffix rows include
 Per row: tokens/s (generated tokens / client-side wall time of the calls), the ratio to K = 0 of the
 same drafter, workload, temperature and mode, the ratio to Hugging Face `generate` (mode hf-generate:
 transformers' own decoding of the same target and tokens, run beside every K = 0, no K of its own),
-acceptance, tokens and drafted tokens per round, and milliseconds per round in Propose calls (draft), Verify calls (verify) and the rest of the engine's
-wall time (other: accept/reject, laws, text, Redis; the non-model overhead). Summary rows: per
+acceptance, tokens and drafted tokens per round, milliseconds per round in Propose calls (draft),
+Verify calls (verify) and the rest of the engine's wall time (other: accept/reject, laws, text,
+Redis; the non-model overhead), and the VM's steal share. Summary rows: per
 drafter x mode x temperature x K, the mean ratio over the input-grounded workloads and the minimum
 over all workloads; then the issue's targets, met or not.
 
@@ -48,7 +49,9 @@ over all workloads; then the issue's targets, met or not.
   row       drafter, mode, workload, temperature, k, background_load, conversations, requests, tokens,
             seconds, tokens_per_s, ratio_vs_k0, ratio_vs_hf, acceptance_rate, tokens_per_round, drafted_per_round,
             rounds, draft_ms_per_round, verify_ms_per_round, other_ms_per_round, call_ms_per_request
-            (per request outside the engine: validation, tokenisation, sessions, gRPC)
+            (per request outside the engine: validation, tokenisation, sessions, gRPC), steal_share
+            (of the VM's CPU time during the calls, what its hypervisor gave to other guests: a
+            row with a large share met a slow spell of the VM; 0 without /proc/stat)
   summary   drafter, mode, temperature, k, background_load, workloads, grounded_mean_ratio,
             grounded_target, grounded_mean_vs_hf, min_ratio, min_ratio_workload, auto_floor
   target    check (grounded_mean | auto_floor), mode, temperature, target, value, met, drafter, k, workload
@@ -84,6 +87,7 @@ from specdec.models.sources import DEFAULT_DRAFT as DISTILLED_DRAFT  # `model`: 
 
 HF_MODE = "hf-generate"  # Hugging Face `generate` on the same target: what users would run instead
 MODES = ("grpc", "in-process", HF_MODE)
+VM_CPUS = os.cpu_count() or 1  # /proc/stat's steal counts all of the VM's CPUs, not this process's
 MODEL_DRAFTER = "model"  # the distilled draft given by --draft
 DEFAULT_DRAFTERS = "model,ngram"
 # The issue's targets, shown next to the summary rows.
@@ -347,9 +351,11 @@ class Tally:
     accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    steal_s: float = 0.0  # CPU seconds the hypervisor took from this VM during the calls
 
-    def add(self, calls: list[Call]) -> None:
+    def add(self, calls: list[Call], steal_s: float = 0.0) -> None:
         self.conversations += 1
+        self.steal_s += steal_s
         for call in calls:
             s = call.stats
             self.requests += 1
@@ -415,9 +421,11 @@ def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
                     for mode, runner in runners.items():
                         if mode == HF_MODE and k != 0:  # it has no K: one run beside each K = 0
                             continue
+                        stolen = hostinfo.steal_seconds()
                         calls = runner.run(conv, **kwargs)
+                        stolen = hostinfo.steal_seconds() - stolen if stolen is not None else 0.0
                         key = (drafter, mode, conv.workload, temperature, k)
-                        plan.totals.setdefault(key, Tally()).add(calls)
+                        plan.totals.setdefault(key, Tally()).add(calls, stolen)
                         tokens = sum(c.stats.generated_tokens for c in calls)
                         seconds = sum(c.seconds for c in calls)
                         drafted = sum(c.stats.drafted_tokens for c in calls)
@@ -426,6 +434,7 @@ def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
                         log(
                             f"  {drafter} rep {rep} {conv.workload}/{conv.name} T={temperature:g} K={k} {mode}: "
                             f"{tokens} tokens, {tokens / seconds:6.2f} tok/s, acceptance {acceptance}"
+                            + (f", steal {stolen / seconds / VM_CPUS:.0%}" if stolen else "")
                         )
 
 
@@ -470,6 +479,8 @@ def row(key: tuple, tally: Tally, base: Tally | None, background_load: int, hf: 
         "other_ms_per_round": _per_round(tally.engine_s - tally.draft_s - tally.verify_s, tally.rounds),
         # Per request, outside the engine: validation, tokenisation, sessions, and gRPC in the grpc mode.
         "call_ms_per_request": 1e3 * (tally.seconds - tally.engine_s) / tally.requests if tally.requests else None,
+        # Of the VM's CPU time during the calls, the share its hypervisor gave to others.
+        "steal_share": tally.steal_s / (tally.seconds * VM_CPUS) if tally.seconds else None,
     }
 
 
@@ -601,7 +612,7 @@ def format_rows(result_rows: list[dict]) -> list[str]:
     lines = []
     header = (
         f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'vs HF':>6} {'accept':>7} {'tok/rnd':>7}"
-        f" {'drft/rnd':>8} | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
+        f" {'drft/rnd':>8} {'steal':>5} | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
     )
     group = None
     for r in result_rows:
@@ -612,7 +623,8 @@ def format_rows(result_rows: list[dict]) -> list[str]:
             f"  {r['workload']:<16} {r['k']!s:<4} {r['tokens_per_s']:>7.2f} {_fmt(r['ratio_vs_k0'], '.2f', 'x'):>7} "
             f"{_fmt(r['ratio_vs_hf'], '.2f', 'x'):>6} "
             f"{_fmt(r['acceptance_rate'], '.3f'):>7} {_fmt(r['tokens_per_round'], '.2f'):>7} "
-            f"{_fmt(r['drafted_per_round'], '.2f'):>8} | {'':>9} {_fmt(r['draft_ms_per_round'], '.1f'):>6} "
+            f"{_fmt(r['drafted_per_round'], '.2f'):>8} {_fmt(r['steal_share'], '.0%'):>5} | {'':>9} "
+            f"{_fmt(r['draft_ms_per_round'], '.1f'):>6} "
             f"{_fmt(r['verify_ms_per_round'], '.1f'):>7} {_fmt(r['other_ms_per_round'], '.1f'):>6}"
         )
     return lines

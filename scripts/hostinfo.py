@@ -14,10 +14,26 @@ import platform
 from pathlib import Path
 
 _CPUINFO = Path("/proc/cpuinfo")
+_STAT = Path("/proc/stat")
 
 
 def cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def steal_seconds(stat: str | None = None) -> float | None:
+    """CPU seconds the hypervisor has given to other guests since boot, summed over this VM's CPUs
+    (/proc/stat's `steal`; None where there is no such file). A run whose difference is large met
+    a slow spell of the VM, not of the code: a shared VM drifts by 30% between runs."""
+    if stat is None:
+        try:
+            stat = _STAT.read_text()
+        except OSError:
+            return None
+    fields = stat.split("\n", 1)[0].split()
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpuinfo_field(name: str, text: str) -> str:

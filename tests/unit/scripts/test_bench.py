@@ -24,7 +24,7 @@ ROW_FIELDS = {
     "type", "drafter", "mode", "workload", "temperature", "k", "background_load", "conversations", "requests",
     "tokens", "seconds", "tokens_per_s", "ratio_vs_k0", "ratio_vs_hf", "acceptance_rate", "tokens_per_round",
     "drafted_per_round", "rounds", "draft_ms_per_round", "verify_ms_per_round", "other_ms_per_round",
-    "call_ms_per_request",
+    "call_ms_per_request", "steal_share",
 }  # fmt: skip
 SUMMARY_FIELDS = {
     "type", "drafter", "mode", "temperature", "k", "background_load", "workloads", "grounded_mean_ratio",
@@ -79,6 +79,7 @@ def test_bench_runs_every_workload_drafter_and_k_in_process(chat_pair, capsys):
         assert r["verify_ms_per_round"] > 0 and r["other_ms_per_round"] is not None
         assert r["requests"] == (3 if r["workload"] == "multi-turn-chat" else 1)
         assert r["ratio_vs_hf"] is None  # no hf-generate mode in this run
+        assert 0 <= r["steal_share"] < 1
         if r["k"] == 0:
             assert r["ratio_vs_k0"] == 1.0 and r["acceptance_rate"] is None and r["draft_ms_per_round"] == 0
     # Greedy speculation emits the target's own tokens: same count at every K.
@@ -126,6 +127,23 @@ def test_hf_generate_runs_beside_each_k0_and_every_row_gets_its_ratio(chat_pair,
     assert summary["grounded_mean_vs_hf"] == pytest.approx(
         next(r["ratio_vs_hf"] for r in rows if (r["mode"], r["temperature"], r["k"]) == ("in-process", 0.0, 2))
     )
+
+
+def test_each_row_reports_the_cpu_time_the_hypervisor_took_during_its_calls(chat_pair, capsys, monkeypatch):
+    """A run that met a slow spell of the VM says so: the steal counter's growth over each run of
+    a conversation, as a share of the VM's CPU time in the row's calls."""
+    target, _ = chat_pair
+    counter = iter(range(0, 10**6, 2))  # every read 2 CPU seconds later: each run steals 2 s
+    monkeypatch.setattr(bench.hostinfo, "steal_seconds", lambda: float(next(counter)))
+    args = ["--target", target, "--drafters", "ngram", "--ks", "2", "--workloads", "code-editing,multi-turn-chat"]
+    args += ["--temperatures", "0", "--per-workload", "1", "--max-chars", "300", "--max-new-tokens", "4"]
+    rows = [o for o in _run_json(capsys, args) if o["type"] == "row"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["steal_share"] == pytest.approx(2.0 / (r["seconds"] * bench.VM_CPUS))
+    monkeypatch.setattr(bench.hostinfo, "steal_seconds", lambda: None)  # no /proc/stat
+    rows = [o for o in _run_json(capsys, args) if o["type"] == "row"]
+    assert len(rows) == 4 and all(r["steal_share"] == 0 for r in rows)
 
 
 def test_hf_generate_is_the_same_work_as_the_target_alone(chat_pair):

@@ -31,3 +31,13 @@ def test_describe_reads_the_model_and_flags():
 def test_a_machine_without_cpuinfo_still_describes_itself():
     info = hostinfo.describe("")
     assert info["isa"] == "" and hostinfo.summary(info).startswith(f"{info['cpus']} CPUs")
+
+
+def test_steal_is_the_eighth_counter_of_the_cpu_line_in_seconds():
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = f"cpu  310407 0 33457 7018125 3003 0 598 {3 * tick} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    assert hostinfo.steal_seconds(stat) == 3.0
+    assert hostinfo.steal_seconds("cpu 1 2 3\n") is None and hostinfo.steal_seconds("intr 5\n") is None
+    assert hostinfo.steal_seconds() is None or hostinfo.steal_seconds() >= 0  # this machine's, if Linux
