@@ -71,7 +71,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, redirect_stdout
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -84,6 +83,7 @@ from workloads import INPUT_GROUNDED, WORKLOADS, Conversation
 
 from specdec.models.openmp_env import set_openmp_defaults
 from specdec.models.sources import DEFAULT_DRAFT as DISTILLED_DRAFT  # `model`: not stack's default draft
+from specdec.v1 import coordinator_pb2
 
 HF_MODE = "hf-generate"  # Hugging Face `generate` on the same target: what users would run instead
 MODES = ("grpc", "in-process", HF_MODE)
@@ -175,25 +175,6 @@ class InProcessRunner:
         return calls
 
 
-@dataclass(frozen=True)
-class GenerateStats:
-    """What an HF `generate` call reports in GenerationStats' terms: one forward per token."""
-
-    generated_tokens: int
-    total_time_s: float
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_time_s: float = 0.0
-
-    @property
-    def rounds(self) -> int:
-        return self.generated_tokens
-
-    @property
-    def verify_time_s(self) -> float:
-        return self.total_time_s
-
-
 class HfGenerateRunner(InProcessRunner):
     """The baseline users would run instead: transformers' `generate` on a fresh copy of the target
     (its own dynamic KV cache, greedy or plain sampling at T), the same tokens and seed. It runs on the
@@ -211,12 +192,16 @@ class HfGenerateRunner(InProcessRunner):
     def forget_draft_state(self) -> None:
         pass
 
-    def generate(self, prompt, chat: bool = False, **kwargs) -> SimpleNamespace:
+    def generate(self, prompt, chat: bool = False, **kwargs) -> coordinator_pb2.GenerateResponse:
+        """The engine's response message, in its terms: one round (one forward) per token."""
         ids = self._turn_ids(prompt, continuing=False) if chat else list(prompt)
         started = time.perf_counter()
         tokens = self.runner.on_model_thread(self._generate, ids, **kwargs)
-        stats = GenerateStats(len(tokens), time.perf_counter() - started)
-        return SimpleNamespace(stats=stats, completions=[SimpleNamespace(token_ids=tokens)])
+        seconds = time.perf_counter() - started
+        stats = coordinator_pb2.GenerationStats(
+            rounds=len(tokens), generated_tokens=len(tokens), verify_time_s=seconds, total_time_s=seconds
+        )
+        return coordinator_pb2.GenerateResponse(completions=[coordinator_pb2.Completion(token_ids=tokens)], stats=stats)
 
     def _generate(self, ids, max_new_tokens, temperature, seed, ignore_eos, num_speculative_tokens=None):
         import torch
