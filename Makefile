@@ -57,7 +57,7 @@ down:
 bench: install
 	$(PY) scripts/bench.py $(BENCH_ARGS)
 
-# Distil a small draft for the default target (see README "Drafts").
+# Distil a small draft for the default target (see docs/drafts.md).
 draft: install
 	$(VENV)/bin/specdec distill
 

@@ -288,7 +288,7 @@ def bf16_matmuls_wanted(setting: str, runner) -> bool:
     if not bf16_supported():
         raise ValueError("matmul_dtype bfloat16: this torch build has no oneDNN bfloat16 matmul on this CPU")
     if not amx_available():
-        # Measured on an AVX-512 EPYC with avx512_bf16: within noise of float32 (README, bfloat16 products).
+        # Measured on an AVX-512 EPYC with avx512_bf16: within noise of float32 (docs/performance.md, bfloat16 products).
         log.warning("matmul_dtype bfloat16 on a CPU without AMX tiles: expect no gain over float32")
     return True
 
