@@ -49,7 +49,8 @@ MIN_STORED_ONCE = 256
 class _CacheEntry:
     token_ids: list[int]  # the tokens whose keys/values `kv` holds
     kv: object  # transformers Cache
-    # Final hidden states of the first rows of token_ids ([n, H]; kept only when asked for).
+    # Final hidden states of the first rows of token_ids ([n, H]): kept when asked for, and by a
+    # target that has been asked once (`ModelRunner.keeps_hidden`) on every forward.
     hidden: torch.Tensor | None = None
     # Positions whose keys/values are a function of the tokens alone. A draft fed its own
     # hidden state for speculative positions stores those too, but they are not reusable.
@@ -213,11 +214,12 @@ def _crop(entry: _CacheEntry, reuse: int) -> _CacheEntry | None:
 
 
 def _assemble_hidden(
-    stored: torch.Tensor | None, ran: torch.Tensor, reuse: int, hidden_from: int | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    stored: torch.Tensor | None, ran: torch.Tensor, reuse: int, hidden_from: int | None, keep: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(hidden states to return, rows to keep in the entry) from the stored rows and the
-    rows of positions [reuse, len) that the forward ran."""
-    if hidden_from is None:
+    rows of positions [reuse, len) that the forward ran; `keep`: store rows though none were
+    asked for (nothing is returned then)."""
+    if hidden_from is None and not keep:
         # A draft fed hidden states reads only the rows it ran; nothing is kept.
         return ran, None
     if reuse == 0:
@@ -226,6 +228,8 @@ def _assemble_hidden(
         full = torch.cat([stored[:reuse], ran])
     else:
         full = None  # the stored rows stop short: later calls must run their positions again
+    if hidden_from is None:
+        return None, full
     # _reusable_positions makes `full` exist whenever hidden_from < reuse.
     hidden = full[hidden_from:] if full is not None else ran[hidden_from - reuse :]
     return hidden, full
@@ -291,6 +295,12 @@ class ModelRunner:
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         # A draft fed the target's hidden states (draft_artifact.fused_inputs) rather than tokens alone.
         self.needs_target_hidden = needs_target_hidden(model)
+        # A target serving a hidden-state draft, once asked for hidden states, keeps every session's
+        # rows: a later call that asks for them (a session's next turn after a K = 0 one, a new
+        # session forked from another's prompt) then reuses the cached positions instead of running
+        # its whole context again. Rows cost 4 x hidden_size bytes a position (SmolLM2: 2.3 KB against
+        # 46 KB of keys/values), so a target never asked keeps none.
+        self.keeps_hidden = False
         self._lock = threading.Lock()
         # One long-lived thread runs every torch op the services ask of this model. OpenMP keeps a
         # worker team per calling thread: forwards from a pool of gRPC threads build many teams,
@@ -371,7 +381,8 @@ class ModelRunner:
         """
         token_ids = list(token_ids)
         _check_request(len(token_ids), num_last, hidden_from)
-        want_hidden = hidden_from is not None or input_hidden is not None
+        self._note_hidden([hidden_from])
+        want_hidden = hidden_from is not None or input_hidden is not None or self._keeping(session_id)
         with self._lock:
             entry, reuse = self._take_entry(session_id, token_ids, num_last, hidden_from)
             fed = input_hidden[reuse:] if input_hidden is not None else None
@@ -398,7 +409,8 @@ class ModelRunner:
         `ran`: [len - reuse, H] final hidden states of the positions the forward ran, when wanted."""
         hidden = None
         if ran is not None:
-            hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from)
+            keep = self._keeping(session_id)
+            hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from, keep)
         else:
             entry.hidden = None
         if session_id:
@@ -422,6 +434,7 @@ class ModelRunner:
         """
         items = list(items)
         _check_step(items)
+        self._note_hidden([i.hidden_from for i in items])
         self._share_prefixes(items)
         if len(items) > 1 and self._ragged_ok():
             return self._ragged_step(items)
@@ -429,6 +442,14 @@ class ModelRunner:
             self.last_logits(i.session_id, i.token_ids, i.num_last, i.hidden_from, i.input_hidden, i.exact_len)
             for i in items
         ]
+
+    def _note_hidden(self, hidden_from: list[int | None]) -> None:
+        if not self.needs_target_hidden and any(h is not None for h in hidden_from):
+            self.keeps_hidden = True
+
+    def _keeping(self, session_id: str) -> bool:
+        """Whether this call stores its rows though it did not ask for them (a cached session)."""
+        return self.keeps_hidden and bool(session_id)
 
     def _share_prefixes(self, items: list[StepItem]) -> None:
         """Items that hold no cache entry yet and open with the same tokens (the samples of one
@@ -468,7 +489,15 @@ class ModelRunner:
         else:
             kv = fork_cache(source.kv, shared, self.model.config)
             self.cache.recharge(session)  # a source without a prefix moved its first positions into one
-        return _CacheEntry(list(source.token_ids[:shared]), kv)
+        # The source's hidden rows of the shared positions come along: without them a call that
+        # asks for hidden states from row 0 could reuse none of the keys/values.
+        hidden = None if source.hidden is None else source.hidden[:shared].clone()
+        return _CacheEntry(list(source.token_ids[:shared]), kv, hidden)
+
+    def fork_length(self, token_ids: Sequence[int], limit: int) -> int:
+        """How many leading positions a new session for `token_ids` would start with from another
+        session's entry (`_fork`), at most `limit`; 0 for none. On the model thread (the cache's)."""
+        return self._fork_source(list(token_ids), limit)[2]
 
     def _stores_once(self, shared: int) -> bool:
         """Whether a fork of `shared` positions reads them from a prefix stored once: long enough
@@ -509,7 +538,8 @@ class ModelRunner:
             ]
             batch = build_batch([p.entry.kv for p in planned], [p.new_rows for p in planned], self.device)
             keep = torch.cat([torch.arange(s.end - p.item.num_last, s.end) for p, s in zip(planned, batch.segments)])
-            want_hidden = any(p.want_hidden for p in planned)
+            wanted = [p.want_hidden or self._keeping(p.item.session_id) for p in planned]
+            want_hidden = any(wanted)
             # On an exception the entries (possibly half-updated) are simply not put back.
             with self._threads(batch.rows):
                 out = ragged_forward(
@@ -518,8 +548,8 @@ class ModelRunner:
             logits = out.logits[0].float().cpu()  # [sum of num_last, V], item by item
             final = out.hidden_states[-1][0].float().cpu() if want_hidden else None  # [T, H]
             results, first = [], 0
-            for p, seg in zip(planned, batch.segments, strict=True):
-                ran = final[seg.start : seg.end] if p.want_hidden else None
+            for p, seg, want in zip(planned, batch.segments, wanted, strict=True):
+                ran = final[seg.start : seg.end] if want else None
                 item = p.item
                 hidden = self._settle(
                     item.session_id, p.entry, p.token_ids, p.reuse, item.hidden_from, item.exact_len, ran
