@@ -410,9 +410,12 @@ class StepScheduler:
     def _reused(self, item: StepItem) -> int:
         cache = getattr(self.runner, "cache", None)
         held = cache.token_ids(item.session_id) if cache is not None and item.session_id else None
-        if not held:
-            return 0
         tokens = item.token_ids
+        if not held:
+            # A new session starts from another's entry where one shares its prompt (`_fork`):
+            # chunks then start past those positions instead of running them again.
+            forked = getattr(self.runner, "fork_length", None)
+            return forked(tokens, len(tokens) - item.num_last) if forked is not None and item.session_id else 0
         # Usually the entry holds a prefix of the item (a session's next round): compared at C speed.
         common = len(held) if list(tokens[: len(held)]) == held else common_prefix_length(held, tokens)
         return min(common, len(tokens) - item.num_last)

@@ -126,3 +126,27 @@ def test_chunked_logits_and_cache_are_the_whole_prompt_s(tiny_loaded):
         torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
     assert len(steps) == 5 + 1  # chunks to 8, 16, 24, 32, then the whole 40; the next round: one
     assert split.cache.token_ids("s") == [*prompt, 1, 2]
+
+
+def test_a_new_session_under_a_cached_prompt_chunks_from_where_the_shared_part_ends(tiny_loaded):
+    """A new session whose prompt another session already ran (a retry, a shared document) starts
+    from that session's entry: its chunks begin past the shared positions instead of running
+    them again from position 0."""
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=8, max_tokens=10_000))
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0, prefill_chunk_tokens=8))
+    prompt = [(5 * i + 3) % 8 for i in range(40)]
+    steps: list[int] = []
+    s.step_observers.append(lambda sequences, _: steps.append(sequences))
+
+    def task(session, tokens):
+        result = yield StepItem(session, tokens, 1)
+        return result
+
+    s.run([("first", task("first", prompt))])
+    steps.clear()
+    tokens = [*prompt, 1, 2, 3]
+    got = s.run([("second", task("second", tokens))])[0]
+    assert steps == [1] and got.cached_tokens == len(prompt)  # one step over the last few tokens
+    want = ModelRunner(model, SessionKVCache(max_entries=0, max_tokens=0)).last_logits("", tokens, 1)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
