@@ -103,9 +103,14 @@ def test_continuing_after_a_turn_cut_mid_round_matches_recompute(tiny_loaded):
         assert cached.cached_tokens == len(context) + kept  # the whole common prefix, nothing past it
 
 
-def _fresh_hidden(model, tokens, hidden_from):
-    runner = ModelRunner(model, SessionKVCache(max_entries=0, max_tokens=0))
-    return runner.last_logits("", tokens, 1, hidden_from=hidden_from).hidden
+def _assert_reuses_with_every_row(runner, session, tokens, cached):
+    """A call asking for hidden states from row 0 reuses `cached` positions and returns the rows
+    an uncached forward gives."""
+    result = runner.last_logits(session, tokens, 1, hidden_from=0)
+    assert result.cached_tokens == cached
+    uncached = ModelRunner(runner.model, SessionKVCache(max_entries=0, max_tokens=0))
+    fresh = uncached.last_logits("", tokens, 1, hidden_from=0)
+    torch.testing.assert_close(result.hidden, fresh.hidden, atol=1e-5, rtol=1e-5)
 
 
 def test_a_target_asked_for_hidden_states_once_keeps_them_for_calls_that_did_not_ask(tiny_loaded):
@@ -117,10 +122,7 @@ def test_a_target_asked_for_hidden_states_once_keeps_them_for_calls_that_did_not
     tokens = [4, 1, 5, 2, 6, 3, 7]
     runner.last_logits("s", tokens, 1)  # a K = 0 round: asks for none
     assert runner.cache.peek("s").hidden.shape[0] == len(tokens)
-    longer = [*tokens, 2, 5]
-    result = runner.last_logits("s", longer, 1, hidden_from=0)
-    assert result.cached_tokens == len(tokens)
-    torch.testing.assert_close(result.hidden, _fresh_hidden(model, longer, 0), atol=1e-5, rtol=1e-5)
+    _assert_reuses_with_every_row(runner, "s", [*tokens, 2, 5], len(tokens))
 
 
 def test_a_target_never_asked_for_hidden_states_keeps_none(tiny_loaded):
@@ -139,10 +141,7 @@ def test_a_fork_carries_the_hidden_states_of_its_shared_prefix(tiny_loaded):
     runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
     prompt = [(3 * i + 1) % 8 for i in range(MIN_SHARED_PREFIX + 4)]
     runner.last_logits("first", [*prompt, 1, 2], 1, hidden_from=0)
-    tokens = [*prompt, 5, 6, 7]
-    result = runner.last_logits("second", tokens, 1, hidden_from=0)
-    assert result.cached_tokens == len(prompt)
-    torch.testing.assert_close(result.hidden, _fresh_hidden(model, tokens, 0), atol=1e-5, rtol=1e-5)
+    _assert_reuses_with_every_row(runner, "second", [*prompt, 5, 6, 7], len(prompt))
 
 
 def test_a_batched_step_keeps_the_rows_of_items_that_did_not_ask(tiny_loaded):
@@ -150,9 +149,7 @@ def test_a_batched_step_keeps_the_rows_of_items_that_did_not_ask(tiny_loaded):
     runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
     runner.step([StepItem("a", [1, 2, 3, 4], 2), StepItem("b", [5, 6, 7], 1, hidden_from=0)])
     assert runner.cache.peek("a").hidden.shape[0] == 4
-    result = runner.last_logits("a", [1, 2, 3, 4, 6], 1, hidden_from=0)
-    assert result.cached_tokens == 4
-    torch.testing.assert_close(result.hidden, _fresh_hidden(model, [1, 2, 3, 4, 6], 0), atol=1e-5, rtol=1e-5)
+    _assert_reuses_with_every_row(runner, "a", [1, 2, 3, 4, 6], 4)
 
 
 def test_last_logits_and_batch_forward_are_unchanged_by_batched_steps(tiny_loaded):

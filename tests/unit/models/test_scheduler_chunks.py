@@ -105,27 +105,36 @@ def test_chunks_count_against_the_step_token_budget():
     assert len(s_runner.steps) < 2 * 4
 
 
+PROMPT = [(5 * i + 3) % 8 for i in range(40)]
+
+
+def real_chunked(model) -> tuple[StepScheduler, ModelRunner, list[int]]:
+    """A scheduler splitting prompts into chunks of 8 over a real runner, and the sequences of
+    each step it runs."""
+    runner = ModelRunner(model, SessionKVCache(max_entries=8, max_tokens=10_000))
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0, prefill_chunk_tokens=8))
+    steps: list[int] = []
+    s.step_observers.append(lambda sequences, _: steps.append(sequences))
+    return s, runner, steps
+
+
+def item_task(session: str, tokens: list[int], num_last: int = 1):
+    result = yield StepItem(session, tokens, num_last)
+    return result
+
+
 def test_chunked_logits_and_cache_are_the_whole_prompt_s(tiny_loaded):
     """Through the real runner: the prompt's logits (and the session's next round) are what one
     forward over the whole prompt gives, up to float32 noise of the kernels (ATOL as test_ragged)."""
     model = tiny_loaded["target"].runner.model
     whole = ModelRunner(model, SessionKVCache(max_entries=8, max_tokens=10_000))
-    split = ModelRunner(model, SessionKVCache(max_entries=8, max_tokens=10_000))
-    s = StepScheduler(split, SchedulerLimits(batch_wait_s=0.0, prefill_chunk_tokens=8))
-    prompt = [(5 * i + 3) % 8 for i in range(40)]
-    steps: list[int] = []
-    s.step_observers.append(lambda sequences, _: steps.append(sequences))
-
-    def task(tokens, num_last):
-        result = yield StepItem("s", tokens, num_last)
-        return result
-
-    for tokens, num_last in ((prompt, 3), ([*prompt, 1, 2], 2)):
-        got = s.run([("s", task(tokens, num_last))])[0]
+    s, split, steps = real_chunked(model)
+    for tokens, num_last in ((PROMPT, 3), ([*PROMPT, 1, 2], 2)):
+        got = s.run([("s", item_task("s", tokens, num_last))])[0]
         want = whole.last_logits("s", tokens, num_last)
         torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
     assert len(steps) == 5 + 1  # chunks to 8, 16, 24, 32, then the whole 40; the next round: one
-    assert split.cache.token_ids("s") == [*prompt, 1, 2]
+    assert split.cache.token_ids("s") == [*PROMPT, 1, 2]
 
 
 def test_a_new_session_under_a_cached_prompt_chunks_from_where_the_shared_part_ends(tiny_loaded):
@@ -133,20 +142,11 @@ def test_a_new_session_under_a_cached_prompt_chunks_from_where_the_shared_part_e
     from that session's entry: its chunks begin past the shared positions instead of running
     them again from position 0."""
     model = tiny_loaded["target"].runner.model
-    runner = ModelRunner(model, SessionKVCache(max_entries=8, max_tokens=10_000))
-    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.0, prefill_chunk_tokens=8))
-    prompt = [(5 * i + 3) % 8 for i in range(40)]
-    steps: list[int] = []
-    s.step_observers.append(lambda sequences, _: steps.append(sequences))
-
-    def task(session, tokens):
-        result = yield StepItem(session, tokens, 1)
-        return result
-
-    s.run([("first", task("first", prompt))])
+    s, _, steps = real_chunked(model)
+    s.run([("first", item_task("first", PROMPT))])
     steps.clear()
-    tokens = [*prompt, 1, 2, 3]
-    got = s.run([("second", task("second", tokens))])[0]
-    assert steps == [1] and got.cached_tokens == len(prompt)  # one step over the last few tokens
+    tokens = [*PROMPT, 1, 2, 3]
+    got = s.run([("second", item_task("second", tokens))])[0]
+    assert steps == [1] and got.cached_tokens == len(PROMPT)  # one step over the last few tokens
     want = ModelRunner(model, SessionKVCache(max_entries=0, max_tokens=0)).last_logits("", tokens, 1)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
