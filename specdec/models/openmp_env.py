@@ -7,7 +7,12 @@ libgomp's worker threads spin for GOMP_SPINCOUNT iterations, then sleep on a fut
 - libgomp's default spin (300,000 iterations, milliseconds) keeps a worker burning a core after
   the forward has ended. Draft and target often share cores, and the draft's forward starts
   right after the target's, so that spin slows the draft step (e2e on 2 cores: 16 vs 11 ms).
-- 10,000 iterations cover the gaps inside a forward and end within a fraction of a millisecond.
+- 50,000 iterations cover the gaps inside a multi-row forward. With 10,000 the workers fell asleep
+  in them on an AMX Xeon host (2026-12-05; step_bench, 400 cached tokens, medians): a 5-row Verify
+  took 58 against 50 ms, 8 decodes 86 against 78, one decode 35 either way, and the served stack
+  (suffix draft) ran 2-9% faster at 1 and 8 streams. After a forward the workers burned about
+  1.1 ms of CPU at either count (2-3 ms at 100,000-300,000), and a co-located model draft's
+  Propose cost the same within the noise (docs/performance.md, "One model thread per service").
 - OpenMP keeps one team per thread that has run a parallel region, until that thread ends. Once
   the process holds more team threads than CPUs, libgomp spins only 100 iterations (the
   "throttled" count, whatever GOMP_SPINCOUNT says), so every region is a futex wake-up again. So
@@ -31,7 +36,7 @@ import math
 import os
 from pathlib import Path
 
-GOMP_SPINCOUNT_DEFAULT = "10000"
+GOMP_SPINCOUNT_DEFAULT = "50000"
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 
