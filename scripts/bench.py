@@ -24,11 +24,15 @@ e.g. `tokens=drafts/smollm2-135m-instruct-2l`.
 Drafters run one after the other (each with its own K = 0 baseline); inside one, for every
 conversation, each temperature, then every K (order rotated per conversation), then every mode, so
 drift over time hits K = 0 and K > 0 alike. Requests go through the chat template (the client's
-`chat=True`) with a seed per conversation shared by all K and modes. At T = 0 EOS ends an answer
-(what a user is served; every K emits the same tokens); at T > 0 every request generates exactly
---max-new-tokens, since each K draws its own EOS and rows would compare answers of different
-lengths (`--ignore-eos` / `--no-ignore-eos`: the one or the other at every T). A multi-turn conversation continues its session in the grpc
-mode; in process (no sessions) each later turn sends the whole history as token ids, the same
+`chat=True`) with a seed per conversation shared by all K and modes. EOS ends an answer (what a user
+is served; at T = 0 every K emits the same tokens); `--ignore-eos` generates exactly
+--max-new-tokens every time instead. At T > 0 each K draws its own EOS, so one conversation's rows
+can compare answers of different lengths, each carrying the same prompt's forward (an auto K answer
+that ended after 8 tokens ran at 0.77x of K = 0's 64): by losslessness the lengths have one law, so
+ratios over many conversations (`--per-workload`, `--repeats`) are fair, one conversation's are
+noisy. `--ignore-eos` equalises lengths but measures text past the end of turn, which no user is
+served and where drafts do not behave as before it (docs/drafts.md). A multi-turn conversation
+continues its session in the grpc mode; in process (no sessions) each later turn sends the whole history as token ids, the same
 context the session would hold, and its prefix is computed again (no KV cache kept across calls).
 In process, a drafter with state across sessions (a `reset()` method: suffix, hybrid) is reset
 before every conversation, so no config is drafted from another config's answer to the same
@@ -44,9 +48,9 @@ drafter x mode x temperature x K, the mean ratio over the input-grounded workloa
 over all workloads; then the issue's targets, met or not.
 
 --json objects, by "type":
-  run       target, drafters, modes, ks, temperatures, max_new_tokens, ignore_eos (the
-            temperatures run past EOS), repeats, conversations, prompts, background_load, cpus,
-            python; drafters is label -> {model, lookup}
+  run       target, drafters, modes, ks, temperatures, max_new_tokens, ignore_eos,
+            repeats, conversations, prompts, background_load, cpus, python; drafters is
+            label -> {model, lookup}
   row       drafter, mode, workload, temperature, k, background_load, conversations, requests, tokens,
             seconds, tokens_per_s, ratio_vs_k0, ratio_vs_hf, acceptance_rate, tokens_per_round, drafted_per_round,
             rounds, draft_ms_per_round, verify_ms_per_round, other_ms_per_round, call_ms_per_request
@@ -366,16 +370,8 @@ class Plan:
     max_new_tokens: int
     seed: int = 0
     repeats: int = 1
-    ignore_eos: bool | None = None  # None: at T > 0 only (`ignores_eos`)
+    ignore_eos: bool = False
     totals: dict = field(default_factory=dict)  # (drafter, mode, workload, temperature, k) -> Tally
-
-    def ignores_eos(self, temperature: float) -> bool:
-        """Whether requests at `temperature` go past EOS. By default at T > 0: there K = 0 and a
-        speculative run draw their own EOS, so with it one conversation's rows would compare answers
-        of different lengths, each carrying the same prompt's forward (measured: an auto K answer
-        that drew EOS after 8 tokens ran at 17.3 tokens/s against K = 0's 22.5 over 64, 0.77x of
-        nothing but length). At T = 0 every K emits the same tokens, EOS included."""
-        return temperature > 0 if self.ignore_eos is None else self.ignore_eos
 
 
 def rotated(ks: list, shift: int) -> list:
@@ -390,7 +386,7 @@ def _request_kwargs(plan: Plan, temperature: float, k, seed: int, max_new_tokens
         "temperature": temperature,
         "seed": seed,
         "num_speculative_tokens": None if k == "auto" else k,  # unset: the coordinator's auto K
-        "ignore_eos": plan.ignores_eos(temperature),
+        "ignore_eos": plan.ignore_eos,
     }
 
 
@@ -732,12 +728,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", metavar="FILE", help="JSONL conversations instead of the built-in workloads")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request (each turn of a conversation)")
-    p.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="always generate --max-new-tokens (default: at T > 0 only); --no-ignore-eos: end at EOS at every T",
-    )
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--background-load", type=int, default=0, metavar="N", help="N busy CPU processes during the run")
@@ -802,7 +793,7 @@ def run_info(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], mode
         "ks": plan.ks,
         "temperatures": plan.temperatures,
         "max_new_tokens": plan.max_new_tokens,
-        "ignore_eos": [t for t in plan.temperatures if plan.ignores_eos(t)],  # the temperatures where it did
+        "ignore_eos": plan.ignore_eos,
         "repeats": plan.repeats,
         "conversations": len(plan.conversations),
         "prompts": args.prompts,

@@ -188,15 +188,6 @@ def test_ks_always_start_with_zero():
     assert bench.rotated([0, 1, 2], 4) == [1, 2, 0]
 
 
-def test_sampled_rows_generate_the_full_length_unless_told_otherwise():
-    """At T > 0 each K draws its own EOS: by default every request there runs past it, so a row's
-    ratio compares answers of one length; at T = 0 EOS ends the answer (every K the same tokens)."""
-    for flags, expected in (([], (False, True)), (["--ignore-eos"], (True, True)), (["--no-ignore-eos"], (False, False))):
-        plan = bench.Plan([], [0], [0.0, 1.0], 8, ignore_eos=bench.parse_args(flags).ignore_eos)
-        kwargs = [bench._request_kwargs(plan, t, "auto", 0, 8) for t in (0.0, 0.7)]
-        assert tuple(k["ignore_eos"] for k in kwargs) == expected, flags
-
-
 def test_drafter_names_map_to_draft_models_and_lookups():
     assert bench.parse_drafter("model", "drafts/x") == bench.Drafter("model", "drafts/x")
     assert bench.parse_drafter("suffix", "drafts/x") == bench.Drafter("suffix", "suffix")
