@@ -38,9 +38,12 @@ def _load(target: str, draft: str | None, lookup: str | None):
     from draft_service.loading import load_draft
     from draft_service.settings import DraftSettings
     from specdec.models.sources import load_tokenizer
+    from specdec.models.threads import set_torch_threads
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
+
+    set_torch_threads(1)  # before this thread's first torch op: no team of its own (`load_model`)
 
     loaded_target = load_model(
         load_settings(TargetSettings, [], os.environ, prog="target settings", model=target), "target"

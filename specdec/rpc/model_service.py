@@ -220,7 +220,13 @@ class LoadedModel:
 
 def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     """Load the model, its tokenizer (for the fingerprint) and wrap them in a cached runner whose
-    matmul layouts and forward costs were measured (`specdec.models.calibration`)."""
+    matmul layouts and forward costs were measured (`specdec.models.calibration`).
+
+    Call it on a thread set to one torch thread (`threads.set_torch_threads(1)`) before its first
+    torch op: an OpenMP team of the loading thread's lives until that thread ends, and beside the
+    model thread's it throttles every parallel region (`openmp_env`), so the layouts and the curve
+    measured here were a throttled forward's (SmolLM2 on an AMX Xeon: 1 row 52-56 ms at start
+    against 32 ms once loaded, 4 rows 1.21x a row against 1.38x; the K policy read that curve)."""
     import torch
 
     from specdec.models.bf16_matmul import use_bf16_forwards
@@ -449,6 +455,9 @@ def start_model_server(
     else:
 
         def load_in_background() -> None:
+            from specdec.models.threads import set_torch_threads
+
+            set_torch_threads(1)  # no OpenMP team of this thread's beside the model thread's (`load_model`)
             try:
                 attach(load() if load is not None else load_model(settings, servicer.role))
             except Exception:
