@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.record:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from specdec.models.openmp_env import set_openmp_defaults
+
+        set_openmp_defaults()  # before torch loads, as the services do: the trace's curve is theirs
         record(args.record, args.per_workload, args.max_new_tokens, args.k_max, args.temperature, args.seeds)
     if not args.replay:
         return 0
