@@ -17,8 +17,9 @@ libgomp's worker threads spin for GOMP_SPINCOUNT iterations, then sleep on a fut
   the process holds more team threads than CPUs, libgomp spins only 100 iterations (the
   "throttled" count, whatever GOMP_SPINCOUNT says), so every region is a futex wake-up again. So
   the model thread's team must be the only one: the services load their model on a thread that
-  then ends, and a process that runs tensor ops on other long-lived threads sets those to one
-  thread (`threads.set_torch_threads(1)`: no team). Measured with step_bench's sessions (400
+  then ends and runs on one torch thread meanwhile (until it ended, its team throttled the start-up
+  calibration: `model_service.load_model`), and a process that runs tensor ops on other
+  long-lived threads sets those to one thread (`threads.set_torch_threads(1)`: no team). Measured with step_bench's sessions (400
   cached tokens, medians of 6 runs interleaved in one process): one step of 8 sessions x 1 token
   took 171 ms with the model thread's team alone and 284 ms beside a second, idle team (8 x 3:
   331 vs 397 ms; 1 x 1: 81 vs 83 ms, as a one-row forward runs its matmuls on one thread).
