@@ -29,3 +29,32 @@ def test_bfloat16_products_need_an_eager_float32_cpu_model():
     assert bf16_matmuls_wanted("bfloat16", _runner())
     with pytest.raises(ValueError, match="needs a float32 model running eagerly on CPU"):
         bf16_matmuls_wanted("bfloat16", _runner(torch.bfloat16))
+
+
+def test_a_service_loads_its_model_on_a_thread_that_holds_no_openmp_team(tiny_model_dirs, monkeypatch):
+    """`start_model_server`'s loading thread runs on one torch thread from its first op: a team of
+    its own would throttle the model thread's start-up calibration while it lives (`load_model`)."""
+    import threading
+
+    from draft_service import server as draft_server
+    from draft_service.settings import DraftSettings
+    from specdec.settings import load_settings
+
+    seen: list[int] = []
+    loaded = threading.Event()
+
+    def load_draft(settings):
+        seen.append(torch.get_num_threads())  # what this thread's first torch op runs on
+        loaded.set()
+        raise RuntimeError("not loading anything here")  # the server then stops, as on any failure
+
+    monkeypatch.setattr(draft_server, "load_draft", load_draft)
+    fields = {"model": "ngram", "tokenizer": tiny_model_dirs["target"], "host": "127.0.0.1", "port": 0}
+    before = torch.get_num_threads()
+    try:
+        server, _ = draft_server.create_server(load_settings(DraftSettings, [], {}, metrics_port=-1, **fields))
+        assert loaded.wait(30)
+        server.server.stop(0).wait(5)
+    finally:
+        torch.set_num_threads(before)  # the count a new thread's first torch call takes, as it was
+    assert seen == [1]
