@@ -32,8 +32,9 @@ that ended after 8 tokens ran at 0.77x of K = 0's 64): by losslessness the lengt
 ratios over many conversations (`--per-workload`, `--repeats`) are fair, one conversation's are
 noisy. `--ignore-eos` equalises lengths but measures text past the end of turn, which no user is
 served and where drafts do not behave as before it (docs/drafts.md). A multi-turn conversation
-continues its session in the grpc mode; in process (no sessions) each later turn sends the whole history as token ids, the same
-context the session would hold, and its prefix is computed again (no KV cache kept across calls).
+continues its session in the grpc mode; in process (no sessions) each later turn sends the whole
+history as token ids, the same context the session would hold, and its prefix is computed again
+(no KV cache kept across calls).
 In process, a drafter with state across sessions (a `reset()` method: suffix, hybrid) is reset
 before every conversation, so no config is drafted from another config's answer to the same
 prompt; the grpc mode cannot reset the draft service, so its suffix rows include that reuse.

@@ -19,10 +19,11 @@ libgomp's worker threads spin for GOMP_SPINCOUNT iterations, then sleep on a fut
   the model thread's team must be the only one: the services load their model on a thread that
   then ends and runs on one torch thread meanwhile (until it ended, its team throttled the start-up
   calibration: `model_service.load_model`), and a process that runs tensor ops on other
-  long-lived threads sets those to one thread (`threads.set_torch_threads(1)`: no team). Measured with step_bench's sessions (400
-  cached tokens, medians of 6 runs interleaved in one process): one step of 8 sessions x 1 token
-  took 171 ms with the model thread's team alone and 284 ms beside a second, idle team (8 x 3:
-  331 vs 397 ms; 1 x 1: 81 vs 83 ms, as a one-row forward runs its matmuls on one thread).
+  long-lived threads sets those to one thread (`threads.set_torch_threads(1)`: no team). Measured
+  with step_bench's sessions (400 cached tokens, medians of 6 runs interleaved in one process):
+  one step of 8 sessions x 1 token took 171 ms with the model thread's team alone and 284 ms
+  beside a second, idle team (8 x 3: 331 vs 397 ms; 1 x 1: 81 vs 83 ms, as a one-row forward
+  runs its matmuls on one thread).
 
 Thread count: an OpenMP team larger than the CPUs the process may really run on (its affinity
 mask, its cgroup's CPU quota: a Kubernetes CPU limit) waits at every barrier for a thread the
