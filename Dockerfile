@@ -33,6 +33,14 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
+# g++ builds the panels matmul kernel into the package (below; specdec/models/panels.py) for both
+# x86-64 levels, so the runtime stage needs no compiler. It lives in this discarded stage only.
+# Debian's g++ for the base image's release: pinning its exact build would break on every point
+# release of bookworm, and the kernel needs any g++ >= 11 (-march=x86-64-v4).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv \
  && python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
@@ -51,6 +59,7 @@ RUN python -m pip install --no-cache-dir "grpcio-tools==1.85.1" \
  && python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/v1/*.proto \
  && python -m pip install --no-cache-dir "torch==${TORCH_VERSION}" . \
  && python -m pip uninstall -y grpcio-tools \
+ && python -P -m specdec.models.panels --build \
  && python -P -c "import coordinator.server, draft_service.server, target_service.server, gateway.app"
 
 # ---------------------------------------------------------------- models image

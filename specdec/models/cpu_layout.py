@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.layouts import COPIES, LAYOUTS, LINEAR, PACKED, TRANSPOSED, WEIGHT_MAJOR
+from specdec.models import panels
+from specdec.models.layouts import COPIES, LAYOUTS, LINEAR, PACKED, PANELS, TRANSPOSED, WEIGHT_MAJOR
 
 
 class LayoutPlan:
@@ -80,6 +81,8 @@ class PlannedLinear(torch.nn.Module):
         self.register_buffer("weight_t", weight_t, persistent=False)
         # An opaque oneDNN tensor: not a buffer, so state_dict and .to() never see it.
         self.weight_packed = _pack(weight) if PACKED in copies else None
+        # A plain tensor too: the kernel reads its memory directly (panels.py).
+        self.weight_panels = panels.pack(weight) if PANELS in copies and panels.available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
@@ -94,12 +97,16 @@ class PlannedLinear(torch.nn.Module):
             flat = x.reshape(rows, self.in_features).contiguous()
             y = packed_product(flat, self.weight_packed)
             y = y.reshape(*x.shape[:-1], self.out_features)
+        elif layout == PANELS and self.weight_panels is not None and not torch.compiler.is_compiling():
+            y = panels.product(x.reshape(rows, self.in_features), self.weight_panels, self.out_features)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
 
     def has_copy(self, layout: str) -> bool:
-        return (self.weight_t if layout == TRANSPOSED else self.weight_packed) is not None
+        copy = {TRANSPOSED: self.weight_t, PACKED: self.weight_packed, PANELS: self.weight_panels}.get(layout)
+        return copy is not None
 
 
 def packing_available() -> bool:
@@ -163,5 +170,8 @@ def drop_unused_copies(model: torch.nn.Module) -> int:
             dropped += 1
         if module.weight_packed is not None and not module.plan.uses(PACKED):
             module.weight_packed = None
+            dropped += 1
+        if module.weight_panels is not None and not module.plan.uses(PANELS):
+            module.weight_panels = None
             dropped += 1
     return dropped

@@ -84,7 +84,8 @@ class ModelServerSettings(ServerTlsSettings):
         "auto",
         "LINEAR_LAYOUT",
         "float32 on CPU: matmul kernel of the linear layers, auto (the fastest per row count, measured at "
-        "start) | linear | transposed (2x weight memory) | weight_major | packed (oneDNN, 2x weight memory)",
+        "start) | linear | transposed (2x weight memory) | weight_major | packed (oneDNN, 2x weight memory) "
+        "| panels (a compiled kernel, x86-64, 2x weight memory)",
     )
     # specdec.models.bf16_matmul: AMX multiplies bfloat16 several times faster than float32 past a few rows.
     matmul_dtype: str = setting(

@@ -15,7 +15,7 @@ from specdec.models.cpu_layout import (
     planned_linears,
     use_layout_plans,
 )
-from specdec.models.layouts import LAYOUTS, LINEAR, PACKED, TRANSPOSED, WEIGHT_MAJOR
+from specdec.models.layouts import LAYOUTS, LINEAR, PACKED, PANELS, TRANSPOSED, WEIGHT_MAJOR
 from specdec.models.runner import ModelRunner, SessionKVCache
 
 
@@ -72,8 +72,8 @@ def test_swapping_keeps_the_tied_head_tied_and_the_logits():
     assert model.get_output_embeddings().out_features == 16
     torch.testing.assert_close(transposed, before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight_major, before, rtol=1e-5, atol=1e-5)
-    # no plan uses the transposed or packed copies now
-    assert drop_unused_copies(model) == 2 * (2 * 7 + 1) and drop_unused_copies(model) == 0
+    # no plan uses the transposed, packed or panels copies now
+    assert drop_unused_copies(model) == 3 * (2 * 7 + 1) and drop_unused_copies(model) == 0
 
 
 def test_copies_are_dropped_only_where_no_plan_uses_them():
@@ -81,10 +81,13 @@ def test_copies_are_dropped_only_where_no_plan_uses_them():
     plans = use_layout_plans(model, LINEAR)
     plans[(32, 16)].set(2, TRANSPOSED)
     plans[(16, 32)].set(3, PACKED)
-    # all but the two down projections' transposed and the four gate/up projections' packed copies
-    assert drop_unused_copies(model) == 2 * (2 * 7 + 1) - 2 - 4
+    plans[(16, 8)].set(5, PANELS)
+    # all but the two down projections' transposed, the four gate/up projections' packed and the
+    # four k/v projections' panels copies
+    assert drop_unused_copies(model) == 3 * (2 * 7 + 1) - 2 - 4 - 4
     assert all(m.weight_t is not None for m in planned_linears(model)[(32, 16)])
     assert all(m.weight_packed is not None and m.weight_t is None for m in planned_linears(model)[(16, 32)])
+    assert all(m.weight_panels is not None and m.weight_packed is None for m in planned_linears(model)[(16, 8)])
 
 
 def test_the_packed_layout_is_there_and_a_missing_copy_runs_as_linear():
@@ -140,3 +143,31 @@ def test_a_compiled_runner_runs_a_packed_plan():
     plan_layouts(compiled, PACKED, 2)
     expected = eager.last_logits("a", [1, 2, 3, 4], 2).logits
     torch.testing.assert_close(compiled.last_logits("a", [1, 2, 3, 4], 2).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("panels_faster", [True, False])
+def test_auto_keeps_the_tuned_plans_or_panels_for_all_whichever_curve_is_faster(monkeypatch, panels_faster):
+    from specdec.models import calibration
+
+    runner = ModelRunner(_tiny_llama(), SessionKVCache(4, 1000))
+    timed: list[dict] = []  # per setup timed: each shape's layouts at 1..3 rows
+
+    def plans_now():
+        return {shape: tuple(group[0].plan.layout(r) for r in (1, 2, 3)) for shape, group in planned_linears(runner.model).items()}
+
+    def curves(runner, max_rows, setups, *args):
+        for setup in setups:
+            setup()
+            timed.append(plans_now())
+        tuned, all_panels = (0.010, 0.012, 0.014), (0.011, 0.011, 0.013)
+        return [tuned, all_panels] if panels_faster else [(0.010, 0.010, 0.010), all_panels]
+
+    monkeypatch.setattr(calibration, "compare_forward_costs", curves)
+    costs = plan_layouts(runner, "auto", 3)
+    assert set(timed[1].values()) == {(PANELS,) * 3}  # the second setup timed: panels for every shape
+    expected = timed[1] if panels_faster else timed[0]
+    assert plans_now() == expected
+    assert costs.layouts == {f"{i}->{o}": layouts for (i, o), layouts in expected.items()}
+    assert costs.milliseconds() == ([11.0, 11.0, 13.0] if panels_faster else [10.0, 10.0, 10.0])
+    for shape, group in planned_linears(runner.model).items():  # copies stay where the plan uses them
+        assert all((m.weight_panels is not None) == (PANELS in expected[shape]) for m in group)

@@ -1,0 +1,198 @@
+"""The `panels` product: x @ W^T on a copy of W repacked into 32-output panels (kernels/panels.cpp).
+
+MKL's float32 kernels read W once for 1-3 rows and switch at 4 to one that costs about a third
+more, though a forward's few rows are cheap beside streaming its weights from memory; this kernel
+streams each panel once for all rows (kernels/panels.cpp says how, and why each row's result is
+the same whatever the rows and threads beside it). It is one more layout for the calibration to
+time (`specdec.models.cpu_layout`), not a replacement: where MKL is faster, MKL stays.
+
+The kernel is C++ built for the CPU's x86-64 level (v4: AVX-512, v3: AVX2 + FMA) and linked to
+the OpenMP runtime torch loaded, so its threads are the model thread's team (a second runtime
+would mean a second team: `specdec.models.openmp_env`). A library built beforehand
+(`python -m specdec.models.panels --build`, as the Docker image's build stage does) is used if
+present, else one is built into the user cache with the C++ compiler (`CXX`, default g++; about
+a second) and kept there. Without a compiler, on another CPU or if anything fails, the layout is
+unavailable and the service logs why once: the other layouts serve as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import glob
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PANEL = 32  # outputs per panel: the kernel's two 16-float vectors
+SOURCE = Path(__file__).with_name("kernels") / "panels.cpp"
+PREBUILT_DIR = SOURCE.parent
+# x86-64 micro-architecture levels and the /proc/cpuinfo flags each needs (the ones its code uses).
+# Built with these flags and -march=<level>; no exceptions or RTTI, so it needs no C++ runtime.
+FLAGS = ("-O3", "-mtune=generic", "-fPIC", "-fopenmp", "-fno-exceptions", "-fno-rtti")
+LEVELS = {
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"},
+    "x86-64-v3": {"avx2", "fma", "bmi2"},
+}
+
+
+def cpu_level(flags: set[str] | None = None) -> str | None:
+    """The highest level in LEVELS this CPU runs (None: not x86-64 Linux, or too old)."""
+    if flags is None:
+        if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+            return None
+        flags = _cpu_flags()
+    return next((level for level, needs in LEVELS.items() if needs <= flags), None)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _openmp_runtime() -> str | None:
+    """torch's own libgomp (the CPU and CUDA wheels carry one), which the library links to."""
+    found = sorted(glob.glob(str(Path(torch.__file__).parent / "lib" / "libgomp*.so*")))
+    return found[0] if found else None
+
+
+def library_name(level: str) -> str:
+    key = SOURCE.read_bytes() + " ".join((level, *FLAGS, torch.__version__)).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    return f"panels-{level}-{digest}.so"
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("SPECDEC_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdec" / "kernels"
+
+
+def build(level: str, directory: Path) -> Path:
+    """Compile the kernel for `level` into directory; raises RuntimeError with the reason."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
+    runtime = _openmp_runtime()
+    if runtime is None:
+        raise RuntimeError("torch carries no libgomp to link against")
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / library_name(level)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        obj, lib = Path(scratch, "panels.o"), Path(scratch, target.name)
+        flags = [f"-march={level}", *FLAGS]
+        # Linked by hand, without -fopenmp, so that the only OpenMP runtime it names is torch's.
+        link = ["-shared", "-nodefaultlibs", str(runtime), f"-Wl,-rpath,{Path(runtime).parent}", "-lc", "-lm"]
+        for command in ([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)], [compiler, str(obj), *link, "-o", str(lib)]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(lib, target)  # atomic: processes building at once each install a whole file
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded kernel, '') or (None, why it is unavailable); tried once per process."""
+    level = cpu_level()
+    if level is None:
+        return None, "this CPU is not x86-64 with AVX2 + FMA"
+    name = library_name(level)
+    try:
+        path = next((d / name for d in (PREBUILT_DIR, _cache_dir()) if (d / name).exists()), None)
+        path = path or build(level, _cache_dir())
+        lib = load(path)
+    except (OSError, RuntimeError) as failed:
+        return None, str(failed)
+    runtimes = _loaded_openmp_runtimes()
+    if len(runtimes) > 1:
+        return None, f"two OpenMP runtimes loaded ({', '.join(runtimes)})"
+    return lib, ""
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.panels_product.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.panels_product.restype = None
+    return lib
+
+
+def _loaded_openmp_runtimes() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return []
+    return sorted({os.path.realpath(p) for p in paths})
+
+
+def available() -> bool:
+    lib, why = _library()
+    if lib is None:
+        _log_unavailable(why)
+    return lib is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _log_unavailable(why: str) -> None:
+    log.info("the panels matmul layout is unavailable (%s); the other layouts serve", why)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero past row N."""
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = torch.zeros(count * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.reshape(count, PANEL, k).transpose(1, 2).contiguous()
+
+
+def product(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, out_features], for W's `pack` (with this process's kernel
+    unless another `load`ed one is given)."""
+    if lib is None:
+        lib, why = _library()
+        if lib is None:
+            raise RuntimeError(f"the panels kernel is unavailable: {why}")
+    count, k, width = panels.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features:
+        raise ValueError(f"panels product of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    lib.panels_product(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())
+    return y
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the panels kernel beside its source (Docker build stage).")
+    parser.add_argument("--build", action="store_true", help="build one library per x86-64 level in LEVELS")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    if platform.machine() not in ("x86_64", "AMD64"):
+        print(f"panels: nothing to build on {platform.machine()} (x86-64 only); the other layouts serve")
+        return 0
+    for level in LEVELS:
+        print(build(level, PREBUILT_DIR))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The panels kernel: nn.Linear's product, each row's result independent of the rows and threads
+beside it, clear errors on bad input, and a clear reason when it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import panels
+
+
+def test_the_kernel_builds_on_this_machine():
+    # The CI machine is the one users run `make test` on: a silently missing kernel would leave the
+    # services on the slower layouts with every test still green.
+    assert panels.available(), panels._library()[1]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 19])
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (24, 40), (7, 33), (577, 32), (16, 1)])
+def test_the_product_is_linears(rows, k, n):
+    torch.manual_seed(rows * 1000 + k + n)
+    weight, x = torch.randn(n, k), torch.randn(rows, k)
+    got = panels.product(x, panels.pack(weight), n)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it():
+    """Bit for bit: so a Verify's rows equal their one-row decodes in every linear."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(1536, 576), torch.randn(19, 576)
+    packed = panels.pack(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = panels.product(x, packed, 1536)
+        torch.set_num_threads(1)
+        alone = torch.cat([panels.product(x[i : i + 1], packed, 1536) for i in range(19)])
+        in_fives = torch.cat([panels.product(x[i : i + 5], packed, 1536) for i in range(0, 19, 5)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone) and torch.equal(together, in_fives)
+
+
+def test_bad_input_is_refused_before_the_kernel_reads_it():
+    packed = panels.pack(torch.randn(40, 24))
+    for x, n in [(torch.randn(3, 25), 40), (torch.randn(3, 24, dtype=torch.float64), 40), (torch.randn(24), 40), (torch.randn(3, 24), 65)]:
+        with pytest.raises(ValueError, match="panels product"):
+            panels.product(x, packed, n)
+
+
+def test_a_strided_input_is_read_as_its_values():
+    torch.manual_seed(1)
+    weight, x = torch.randn(40, 24), torch.randn(24, 6).t()  # not contiguous
+    torch.testing.assert_close(panels.product(x, panels.pack(weight), 40), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_pads_the_last_panel_with_zeros():
+    weight = torch.arange(33 * 3, dtype=torch.float32).reshape(33, 3)
+    packed = panels.pack(weight)
+    assert packed.shape == (2, 3, 32)
+    assert torch.equal(packed[0, :, 5], weight[5]) and torch.equal(packed[1, :, 0], weight[32])
+    assert not packed[1, :, 1:].any()
+
+
+def test_without_a_compiler_the_build_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        panels.build("x86-64-v3", tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_build_installs_a_loadable_library_under_its_level_and_source_digest(tmp_path):
+    level = panels.cpu_level()
+    if level is None:
+        pytest.skip("not an x86-64 CPU with AVX2")
+    built = panels.build(level, tmp_path)
+    assert built.name == panels.library_name(level) and [p.name for p in tmp_path.iterdir()] == [built.name]
+    assert panels.library_name(level) != panels.library_name("x86-64-v3" if level != "x86-64-v3" else "x86-64-v4")
+
+
+def test_every_level_this_cpu_runs_computes_the_product(tmp_path):
+    """The Docker image carries both builds; this CPU checks each it can run (v4 hosts: both)."""
+    here = panels.cpu_level()
+    levels = [level for level in panels.LEVELS if here is not None and list(panels.LEVELS).index(level) >= list(panels.LEVELS).index(here)]
+    if not levels:
+        pytest.skip("not an x86-64 CPU with AVX2")
+    torch.manual_seed(2)
+    weight, x = torch.randn(100, 48), torch.randn(11, 48)
+    for level in levels:
+        lib = panels.load(panels.build(level, tmp_path))
+        got = panels.product(x, panels.pack(weight), 100, lib)
+        torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_level_follows_the_cpu_flags():
+    v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"}
+    assert panels.cpu_level(v4) == "x86-64-v4"
+    assert panels.cpu_level({"avx2", "fma", "bmi2", "avx512f"}) == "x86-64-v3"
+    assert panels.cpu_level({"sse4_2", "avx"}) is None
+
+
+def test_the_library_shares_torchs_openmp_runtime():
+    """A second runtime would give the model thread a second team (specdec.models.openmp_env)."""
+    assert panels.available()
+    assert len(panels._loaded_openmp_runtimes()) == 1
+
+
+def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_solo_logits():
+    """Attention runs per session and norms per row, so once no product mixes rows, a Verify or a
+    decode batched with others computes bit for bit what it computes alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.cpu_layout import use_layout_plans
+    from specdec.models.layouts import PANELS
+    from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
+
+    # SmolLM2-135M's widths: at these, MKL's products of a row differ by the rows beside it.
+    config = LlamaConfig(vocab_size=50, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).eval()
+    use_layout_plans(model, PANELS)
+    batched, alone = ModelRunner(model, SessionKVCache(8, 10_000)), ModelRunner(model, SessionKVCache(8, 10_000))
+    prompts = {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8, 9], "c": [10, 11, 12, 13]}
+    for runner in (batched, alone):
+        for session, tokens in prompts.items():
+            runner.last_logits(session, tokens, 1)
+    items = [StepItem("a", [*prompts["a"], 20], 1), StepItem("b", [*prompts["b"], 21, 22, 23, 24], 5), StepItem("c", [*prompts["c"], 25, 26], 3)]
+    for got, item in zip(batched.step(items), items, strict=True):
+        assert torch.equal(got.logits, alone.last_logits(item.session_id, item.token_ids, item.num_last).logits)
