@@ -171,3 +171,18 @@ def test_auto_keeps_the_tuned_plans_or_panels_for_all_whichever_curve_is_faster(
     assert costs.milliseconds() == ([11.0, 11.0, 13.0] if panels_faster else [10.0, 10.0, 10.0])
     for shape, group in planned_linears(runner.model).items():  # copies stay where the plan uses them
         assert all((m.weight_panels is not None) == (PANELS in expected[shape]) for m in group)
+
+
+def test_a_prompts_many_rows_go_to_mkl_even_on_a_panels_plan(monkeypatch):
+    from specdec.models import panels
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=True)
+    planned = PlannedLinear(linear, LayoutPlan(PANELS))
+    calls: list[int] = []
+    product = panels.product
+    monkeypatch.setattr(panels, "product", lambda x, *args: calls.append(x.shape[0]) or product(x, *args))
+    for rows in (1, panels.MAX_ROWS, panels.MAX_ROWS + 1):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(planned(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, panels.MAX_ROWS]
