@@ -18,6 +18,7 @@ count does not (on an AMX Xeon the mixed plan took 35.2 / 39.1 / 41.7 ms at 1 / 
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,5 +153,17 @@ def plan_layouts(runner, layout: str, max_rows: int) -> ForwardCosts | None:
             seconds = runner.on_model_thread(forward_costs, runner, max_rows)
         chosen = {f"{i}->{o}": tuple(plan.layout(r) for r in range(1, max_rows + 1)) for (i, o), plan in plans.items()}
         costs = ForwardCosts(seconds, chosen)
-    drop_unused_copies(runner.model)
+    if drop_unused_copies(runner.model):
+        return_freed_memory()
     return costs
+
+
+def return_freed_memory() -> None:
+    """Hand the heap glibc keeps after frees back to the system: the weight copies no plan uses
+    (SmolLM2's target: resident 2.41 GB after loading, 1.49 GB after this; the dropped copies
+    and loading's buffers would otherwise count against the pod's memory limit for good)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim this way
+

@@ -1,7 +1,7 @@
 """Linear layers that compute x @ W^T with the fastest float32 CPU kernel for the row count.
 
-Three ways to compute nn.Linear's product, all exact up to float32 rounding, with very different
-MKL costs for the few rows a decode step or a Verify runs (SmolLM2-135M on this 2-vCPU EPYC,
+Five ways to compute nn.Linear's product, all exact up to float32 rounding, with very different
+costs for the few rows a decode step or a Verify runs (SmolLM2-135M on this 2-vCPU EPYC,
 cached forward: milliseconds per forward by rows):
 
     layout        what runs                              1 row   2 rows  3 rows  4 rows
@@ -9,6 +9,7 @@ cached forward: milliseconds per forward by rows):
     transposed    x @ W_t   (a contiguous [in, out] copy)  ~43     ~65     ~80     ~90
     weight_major  (W @ x^T)^T          (W as stored)       ~51     ~60     ~68     ~61
     packed        oneDNN inner product (W reordered once)
+    panels        specdec.models.panels' kernel (W in 32-output panels)
 
 The matmuls alone, every SmolLM2 layer's weights streamed once, 1 thread (ms, busy machine):
 packed 43 / 45 / 50 / 61 / 63 / 73 at 1 / 2 / 3 / 4 / 6 / 8 rows, against the best of the first
@@ -25,9 +26,9 @@ services measure it at start (`specdec.models.calibration`) and keep the winner 
 dropped when no row count chose it.
 
 `panels` (specdec.models.panels) is a compiled kernel that streams W once for all rows: on an AMX
-Xeon, 2 threads, SmolLM2's forward with it for every shape took 32.4 / 37.0 / 41.1 ms at 1 / 3 /
-5 rows against 35.2 / 39.1 / 41.7 for the best of the others per shape, and a step of 8 decodes
-64.5 against 67.4 ms (step_bench, 400 cached tokens).
+Xeon, 2 threads, SmolLM2's cached forward with it for every shape took 32.7 / 37.0-37.5 / 41.8-42.1
+ms at 1 / 3 / 5 rows against 34.5-35.8 / 38.5-38.9 / 51.3-51.4 with the other four tuned per shape,
+and a step of 8 decodes 66.5-70.6 against 76.9-77.8 ms (step_bench, 400 cached tokens).
 """
 
 from __future__ import annotations

@@ -186,3 +186,14 @@ def test_a_prompts_many_rows_go_to_mkl_even_on_a_panels_plan(monkeypatch):
         x = torch.randn(rows, 24)
         torch.testing.assert_close(planned(x), linear(x), rtol=1e-5, atol=1e-5)
     assert calls == [1, panels.MAX_ROWS]
+
+
+def test_the_heap_the_dropped_copies_held_is_handed_back(monkeypatch):
+    from specdec.models import calibration
+
+    trimmed: list[bool] = []
+    monkeypatch.setattr(calibration, "return_freed_memory", lambda: trimmed.append(True))
+    plan_layouts(ModelRunner(_tiny_llama(), SessionKVCache(4, 1000)), "auto", 0)
+    assert trimmed == [True]  # the transposed, packed and panels copies went
+    monkeypatch.undo()
+    calibration.return_freed_memory()  # glibc here: the real call runs
