@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,8 +133,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
 
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.panels_product.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    ptr, size = ctypes.c_void_p, ctypes.c_long
+    lib.panels_product.argtypes = [ptr, size, size, ptr, size, ptr]
     lib.panels_product.restype = None
+    lib.panels_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
+    lib.panels_q4_product.restype = None
     return lib
 
 
@@ -167,9 +171,60 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(count, PANEL, k).transpose(1, 2).contiguous()
 
 
-def product(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> [M, out_features], for W's `pack` (with this process's kernel
-    unless another `load`ed one is given)."""
+@dataclass(frozen=True)
+class Q4Panels:
+    """W exactly as 4-bit blocks (w = d * q + m per 32 inputs of an output), in panels."""
+
+    nibbles: torch.Tensor  # [P, K, 16] uint8: byte j holds output j (low 4 bits) and j + 16 (high)
+    scale: torch.Tensor  # [P, K / 32, 32] float32: d
+    offset: torch.Tensor  # [P, K / 32, 32] float32: m
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.nibbles.shape[0], self.nibbles.shape[1], PANEL)
+
+
+def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
+    """W [N, K] as Q4Panels when every weight is exactly d * q + m of a 4-bit block dequantization
+    (GGUF's Q4_1: m the block's least value, d a float16; the packaged target's decoder weights
+    are), else None. Found from the values alone, then checked weight by weight."""
+    n, k = weight.shape
+    if k % 32 or n == 0:
+        return None
+    blocks = weight.detach().to(torch.float32).reshape(n, k // 32, 32)
+    m = blocks.amin(-1, keepdim=True)
+    span = blocks.amax(-1, keepdim=True) - m
+    d = torch.zeros_like(m)
+    q = torch.zeros_like(blocks)
+    solved = span == 0  # a constant block: q = 0
+    for top in range(15, 0, -1):  # the largest q in the block: 15 unless the quantizer rounded it down
+        candidate = (span / top).half().float()
+        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
+        levels = torch.round((blocks - m) / safe).clamp(0, 15)
+        fits = ~solved & (candidate > 0) & ((levels * candidate + m) == blocks).all(-1, keepdim=True)
+        d, q, solved = torch.where(fits, candidate, d), torch.where(fits, levels, q), solved | fits
+        if bool(solved.all()):
+            break
+    if not bool(solved.all()) or not torch.equal(q * d + m, blocks):
+        return None
+    count = -(-n // PANEL)
+    pad = count * PANEL - n
+    q = torch.nn.functional.pad(q.reshape(n, k), (0, 0, 0, pad)).to(torch.uint8)
+    q = q.reshape(count, PANEL, k).transpose(1, 2)  # [P, K, 32]
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+
+    def per_panel(values: torch.Tensor) -> torch.Tensor:  # [N, K/32, 1] -> [P, K/32, 32]
+        padded = torch.nn.functional.pad(values.reshape(n, k // 32), (0, 0, 0, pad))
+        return padded.reshape(count, PANEL, k // 32).transpose(1, 2).contiguous()
+
+    return Q4Panels(nibbles, per_panel(d), per_panel(m))
+
+
+def product(
+    x: torch.Tensor, panels: torch.Tensor | Q4Panels, out_features: int, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, out_features], for W's `pack` or `pack_q4` (with this
+    process's kernel unless another `load`ed one is given). Both give the same bits."""
     if lib is None:
         lib, why = _library()
         if lib is None:
@@ -179,7 +234,13 @@ def product(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctype
         raise ValueError(f"panels product of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    lib.panels_product(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())
+    if isinstance(panels, Q4Panels):
+        lib.panels_q4_product(
+            x.data_ptr(), x.shape[0], k, panels.nibbles.data_ptr(), panels.scale.data_ptr(),
+            panels.offset.data_ptr(), out_features, y.data_ptr(),
+        )
+    else:
+        lib.panels_product(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())
     return y
 
 

@@ -10,6 +10,7 @@
 // a row's result does not depend on how many rows share the call nor on the thread count (each
 // panel runs on one thread), so a Verify's rows equal their one-row decodes in these products.
 
+#include <immintrin.h>
 #include <string.h>
 
 #define PANEL 32
@@ -64,6 +65,79 @@ static const rows_fn BY_ROWS[9] = {
 };
 
 extern "C" int panels_group(void) { return GROUP; }
+
+// The same product on a compact copy of W, for weights that are exactly a 4-bit block
+// dequantization (GGUF's Q4_1: w = d * q + m, q in 0..15, one d and m per 32 consecutive inputs of
+// an output; specdec/models/panels.py finds them and checks every weight). The panel then streams
+// 0.75 bytes a weight instead of 4: nibbles [K][16] (byte j: output j low, output j + 16 high) and
+// d, m as float32 [K / 32][32]. w is rebuilt as q * d + m, whose product is exact (11 x 4 bits), so
+// it rounds once and equals the float32 weight bit for bit; the sums then run as panel_rows's, and
+// every result equals the float32 panels' result exactly.
+typedef int ints __attribute__((vector_size(WIDTH * 4)));
+
+// WIDTH bytes zero-extended to WIDTH ints (GCC's generic conversion inserts them one by one).
+static inline ints widen(const unsigned char* from) {
+#if defined(__AVX512F__)
+    return (ints)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)from));
+#else
+    return (ints)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)from));
+#endif
+}
+
+template <int ROWS>
+static inline void panel_rows_q4(const float* __restrict x, long K, const unsigned char* __restrict nibbles,
+                                 const float* __restrict scale, const float* __restrict offset,
+                                 float* __restrict y, long N, long n0) {
+    vec acc[ROWS][LANES];
+    for (int m = 0; m < ROWS; m++)
+        for (int l = 0; l < LANES; l++) acc[m][l] = (vec){};
+    for (long block = 0; block < K / 32; block++) {
+        vec d[LANES], o[LANES];
+        for (int l = 0; l < LANES; l++) {
+            d[l] = *(const vec*)(scale + block * PANEL + l * WIDTH);
+            o[l] = *(const vec*)(offset + block * PANEL + l * WIDTH);
+        }
+        for (long k = block * 32; k < block * 32 + 32; k++) {
+            __builtin_prefetch(nibbles + (k + 2 * AHEAD) * 16, 0, 3);
+            vec w[LANES];
+            for (int l = 0; l < LANES; l++) {
+                ints q = (widen(nibbles + k * 16 + (l * WIDTH) % 16) >> (l * WIDTH >= 16 ? 4 : 0)) & 15;
+                w[l] = __builtin_convertvector(q, vec) * d[l] + o[l];
+            }
+            for (int m = 0; m < ROWS; m++) {
+                float xk = x[m * K + k];
+                for (int l = 0; l < LANES; l++) acc[m][l] += w[l] * xk;
+            }
+        }
+    }
+    long valid = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int m = 0; m < ROWS; m++) {
+        float out[PANEL];
+        memcpy(out, acc[m], sizeof(out));
+        memcpy(y + m * N + n0, out, valid * sizeof(float));
+    }
+}
+
+typedef void (*q4_rows_fn)(const float*, long, const unsigned char*, const float*, const float*, float*, long, long);
+
+static const q4_rows_fn Q4_BY_ROWS[9] = {
+    0, panel_rows_q4<1>, panel_rows_q4<2>, panel_rows_q4<3>, panel_rows_q4<4>,
+    panel_rows_q4<5>, panel_rows_q4<6>, panel_rows_q4<7>, panel_rows_q4<8>,
+};
+
+// x: [M, K] contiguous, K a multiple of 32; nibbles: [ceil(N / 32), K, 16]; scale, offset:
+// [ceil(N / 32), K / 32, 32]; y: [M, N] contiguous.
+extern "C" void panels_q4_product(const float* x, long M, long K, const unsigned char* nibbles, const float* scale,
+                                  const float* offset, long N, float* y) {
+    long count = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < count; p++) {
+        for (long m = 0; m < M; m += GROUP) {
+            long rows = M - m < GROUP ? M - m : GROUP;
+            Q4_BY_ROWS[rows](x + m * K, K, nibbles + p * K * 16, scale + p * K, offset + p * K, y + m * N, N, p * PANEL);
+        }
+    }
+}
 
 // x: [M, K] contiguous; panels: [ceil(N / 32), K, 32] contiguous; y: [M, N] contiguous.
 extern "C" void panels_product(const float* x, long M, long K, const float* panels, long N, float* y) {

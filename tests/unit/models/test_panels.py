@@ -127,3 +127,47 @@ def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_
     items = [StepItem("a", [*prompts["a"], 20], 1), StepItem("b", [*prompts["b"], 21, 22, 23, 24], 5), StepItem("c", [*prompts["c"], 25, 26], 3)]
     for got, item in zip(batched.step(items), items, strict=True):
         assert torch.equal(got.logits, alone.last_logits(item.session_id, item.token_ids, item.num_last).logits)
+
+
+def _q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Exactly a Q4_1 dequantization, as GGUF's: w = d * q + m in float32, d and m float16."""
+    torch.manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32)).float()
+    d = (torch.rand(n, k // 32, 1) * 0.01).half().float()
+    m = (-torch.rand(n, k // 32, 1) * 0.05).half().float()
+    q[:, 0, :] = q[:, 0, :].clamp(max=14)  # a block whose largest level is not 15
+    q[:, 1, :] = 0  # a constant block
+    return (q * d + m).reshape(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 19])
+@pytest.mark.parametrize(("n", "k"), [(100, 576), (576, 1536), (32, 64)])
+def test_a_4_bit_weight_gives_the_float32_panels_bits_from_its_compact_copy(rows, n, k):
+    weight = _q4_weight(n, k, rows + n)
+    compact = panels.pack_q4(weight)
+    assert compact is not None and compact.nibbles.dtype == torch.uint8
+    padded = -(-n // 32) * 32
+    assert compact.nibbles.numel() + 4 * (compact.scale.numel() + compact.offset.numel()) == padded * k * 3 // 4  # bytes
+    x = torch.randn(rows, k)
+    assert torch.equal(panels.product(x, compact, n), panels.product(x, panels.pack(weight), n))
+
+
+def test_only_weights_that_are_exactly_4_bit_blocks_pack_compact():
+    weight = _q4_weight(64, 64, 0)
+    assert panels.pack_q4(weight) is not None
+    nudged = weight.clone()
+    nudged[3, 40] = torch.nextafter(nudged[3, 40], torch.tensor(1.0))  # one weight one ulp off
+    assert panels.pack_q4(nudged) is None
+    assert panels.pack_q4(torch.randn(64, 64)) is None
+    assert panels.pack_q4(_q4_weight(64, 64, 1)[:, :48]) is None  # inputs not in blocks of 32
+    assert panels.pack_q4(torch.zeros(40, 32)) is not None
+
+
+def test_the_avx2_build_gives_the_same_4_bit_products(tmp_path):
+    if panels.cpu_level() is None:
+        pytest.skip("not an x86-64 CPU with AVX2")
+    weight, x = _q4_weight(70, 96, 5), torch.randn(11, 96)
+    lib = panels.load(panels.build("x86-64-v3", tmp_path))
+    expected = panels.product(x, panels.pack(weight), 70, lib)
+    assert torch.equal(panels.product(x, panels.pack_q4(weight), 70, lib), expected)
+    torch.testing.assert_close(expected, x @ weight.t(), rtol=1e-5, atol=1e-5)
