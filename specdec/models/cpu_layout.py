@@ -87,11 +87,11 @@ class PlannedLinear(torch.nn.Module):
         self.register_buffer("weight_t", weight_t, persistent=False)
         # An opaque oneDNN tensor: not a buffer, so state_dict and .to() never see it.
         self.weight_packed = _pack(weight) if PACKED in copies else None
-        # Plain tensors too: the kernel reads their memory directly (panels.py). The 4-bit form where
-        # the weight is exactly one: the same products, bit for bit, from a sixth of the bytes.
+        # Plain tensors too: the kernel reads their memory directly (panels.py). A 4- or 8-bit form
+        # where the weight is exactly one: the same products, bit for bit, from a sixth or a third of the bytes.
         self.weight_panels = None
         if PANELS in copies and panels.available():
-            self.weight_panels = panels.pack_q4(weight) or panels.pack(weight)
+            self.weight_panels = panels.pack_compact(weight) or panels.pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])

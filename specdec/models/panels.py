@@ -138,6 +138,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.panels_product.restype = None
     lib.panels_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
     lib.panels_q4_product.restype = None
+    lib.panels_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr]
+    lib.panels_q8_product.restype = None
     return lib
 
 
@@ -220,11 +222,58 @@ def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
     return Q4Panels(nibbles, per_panel(d), per_panel(m))
 
 
+@dataclass(frozen=True)
+class Q8Panels:
+    """W exactly as 8-bit blocks (w = d * q per 32 inputs of an output), in panels."""
+
+    levels: torch.Tensor  # [P, K, 32] int8: q
+    scale: torch.Tensor  # [P, K / 32, 32] float32: d
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.levels.shape[0], self.levels.shape[1], PANEL)
+
+
+def pack_q8(weight: torch.Tensor) -> Q8Panels | None:
+    """W [N, K] as Q8Panels when every weight is exactly d * q of an 8-bit block dequantization
+    (GGUF's Q8_0: d = a float16 near the block's largest |w| / 127), else None; checked weight
+    by weight."""
+    n, k = weight.shape
+    if k % 32 or n == 0:
+        return None
+    blocks = weight.detach().to(torch.float32).reshape(n, k // 32, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    d = torch.zeros_like(top)
+    q = torch.zeros_like(blocks)
+    solved = top == 0
+    for largest in (127, 126, 128, 125):  # the largest |q|: 127 unless d's rounding moved it
+        candidate = (top / largest).half().float()
+        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
+        levels = torch.round(blocks / safe).clamp(-128, 127)
+        fits = ~solved & (candidate > 0) & ((levels * candidate) == blocks).all(-1, keepdim=True)
+        d, q, solved = torch.where(fits, candidate, d), torch.where(fits, levels, q), solved | fits
+        if bool(solved.all()):
+            break
+    if not bool(solved.all()) or not torch.equal(q * d, blocks):
+        return None
+    count = -(-n // PANEL)
+    pad = count * PANEL - n
+    q = torch.nn.functional.pad(q.reshape(n, k), (0, 0, 0, pad)).to(torch.int8)
+    levels = q.reshape(count, PANEL, k).transpose(1, 2).contiguous()  # [P, K, 32]
+    scale = torch.nn.functional.pad(d.reshape(n, k // 32), (0, 0, 0, pad))
+    return Q8Panels(levels, scale.reshape(count, PANEL, k // 32).transpose(1, 2).contiguous())
+
+
+def pack_compact(weight: torch.Tensor) -> Q4Panels | Q8Panels | None:
+    """The smallest exact compact form of W, if it has one."""
+    return pack_q4(weight) or pack_q8(weight)
+
+
 def product(
-    x: torch.Tensor, panels: torch.Tensor | Q4Panels, out_features: int, lib: ctypes.CDLL | None = None
+    x: torch.Tensor, panels: torch.Tensor | Q4Panels | Q8Panels, out_features: int, lib: ctypes.CDLL | None = None
 ) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> [M, out_features], for W's `pack` or `pack_q4` (with this
-    process's kernel unless another `load`ed one is given). Both give the same bits."""
+    """x [M, K] float32 @ W^T -> [M, out_features], for W's `pack`, `pack_q4` or `pack_q8` (with
+    this process's kernel unless another `load`ed one is given). All give the same bits."""
     if lib is None:
         lib, why = _library()
         if lib is None:
@@ -238,6 +287,10 @@ def product(
         lib.panels_q4_product(
             x.data_ptr(), x.shape[0], k, panels.nibbles.data_ptr(), panels.scale.data_ptr(),
             panels.offset.data_ptr(), out_features, y.data_ptr(),
+        )
+    elif isinstance(panels, Q8Panels):
+        lib.panels_q8_product(
+            x.data_ptr(), x.shape[0], k, panels.levels.data_ptr(), panels.scale.data_ptr(), out_features, y.data_ptr()
         )
     else:
         lib.panels_product(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())

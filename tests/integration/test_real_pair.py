@@ -90,8 +90,9 @@ def test_default_pair_greedy_equals_target_only(real_stack):
 
 
 def test_the_packaged_targets_decoder_weights_pack_as_4_bit_panels():
-    """They are GGUF Q4_1 dequantized (the head, tied to a Q8_0 embedding, is not): the panels
-    kernel then streams a sixth of the bytes for the same products (`specdec.models.panels`)."""
+    """They are GGUF Q4_1 dequantized, and the head (the embedding's weight) Q8_0: the panels
+    kernel then streams a sixth and a third of the bytes for the same products
+    (`specdec.models.panels`)."""
     from specdec.models import panels
     from specdec.models.loading import load_causal_lm
 
@@ -99,4 +100,4 @@ def test_the_packaged_targets_decoder_weights_pack_as_4_bit_panels():
     decoder = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.")]
     assert len(decoder) == 7 * model.config.num_hidden_layers
     assert all(panels.pack_q4(m.weight) is not None for m in decoder)
-    assert panels.pack_q4(model.lm_head.weight) is None
+    assert panels.pack_q4(model.lm_head.weight) is None and panels.pack_q8(model.lm_head.weight) is not None

@@ -75,12 +75,20 @@ extern "C" int panels_group(void) { return GROUP; }
 // every result equals the float32 panels' result exactly.
 typedef int ints __attribute__((vector_size(WIDTH * 4)));
 
-// WIDTH bytes zero-extended to WIDTH ints (GCC's generic conversion inserts them one by one).
+// WIDTH bytes zero- or sign-extended to WIDTH ints (GCC's generic conversion inserts them one by one).
 static inline ints widen(const unsigned char* from) {
 #if defined(__AVX512F__)
     return (ints)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)from));
 #else
     return (ints)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)from));
+#endif
+}
+
+static inline ints widen_signed(const signed char* from) {
+#if defined(__AVX512F__)
+    return (ints)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)from));
+#else
+    return (ints)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)from));
 #endif
 }
 
@@ -148,6 +156,60 @@ extern "C" void panels_product(const float* x, long M, long K, const float* pane
         for (long m = 0; m < M; m += GROUP) {
             long rows = M - m < GROUP ? M - m : GROUP;
             BY_ROWS[rows](x + m * K, K, panel, y + m * N, N, p * PANEL);
+        }
+    }
+}
+
+
+// The same again for weights that are exactly 8-bit blocks (GGUF's Q8_0: w = d * q, q in
+// -128..127, one d per 32 inputs; the packaged target's embedding, which its head shares):
+// q as [K][32] int8 and d as float32 [K / 32][32], 1.125 bytes a weight. d * q is exact (11 x 8
+// bits): the float32 weight again.
+template <int ROWS>
+static inline void panel_rows_q8(const float* __restrict x, long K, const signed char* __restrict levels,
+                                 const float* __restrict scale, float* __restrict y, long N, long n0) {
+    vec acc[ROWS][LANES];
+    for (int m = 0; m < ROWS; m++)
+        for (int l = 0; l < LANES; l++) acc[m][l] = (vec){};
+    for (long block = 0; block < K / 32; block++) {
+        vec d[LANES];
+        for (int l = 0; l < LANES; l++) d[l] = *(const vec*)(scale + block * PANEL + l * WIDTH);
+        for (long k = block * 32; k < block * 32 + 32; k++) {
+            __builtin_prefetch(levels + (k + AHEAD) * PANEL, 0, 3);
+            vec w[LANES];
+            for (int l = 0; l < LANES; l++)
+                w[l] = __builtin_convertvector(widen_signed(levels + k * PANEL + l * WIDTH), vec) * d[l];
+            for (int m = 0; m < ROWS; m++) {
+                float xk = x[m * K + k];
+                for (int l = 0; l < LANES; l++) acc[m][l] += w[l] * xk;
+            }
+        }
+    }
+    long valid = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int m = 0; m < ROWS; m++) {
+        float out[PANEL];
+        memcpy(out, acc[m], sizeof(out));
+        memcpy(y + m * N + n0, out, valid * sizeof(float));
+    }
+}
+
+typedef void (*q8_rows_fn)(const float*, long, const signed char*, const float*, float*, long, long);
+
+static const q8_rows_fn Q8_BY_ROWS[9] = {
+    0, panel_rows_q8<1>, panel_rows_q8<2>, panel_rows_q8<3>, panel_rows_q8<4>,
+    panel_rows_q8<5>, panel_rows_q8<6>, panel_rows_q8<7>, panel_rows_q8<8>,
+};
+
+// x: [M, K] contiguous, K a multiple of 32; levels: [ceil(N / 32), K, 32]; scale:
+// [ceil(N / 32), K / 32, 32]; y: [M, N] contiguous.
+extern "C" void panels_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale,
+                                  long N, float* y) {
+    long count = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < count; p++) {
+        for (long m = 0; m < M; m += GROUP) {
+            long rows = M - m < GROUP ? M - m : GROUP;
+            Q8_BY_ROWS[rows](x + m * K, K, levels + p * K * PANEL, scale + p * K, y + m * N, N, p * PANEL);
         }
     }
 }

@@ -163,7 +163,7 @@ def test_only_weights_that_are_exactly_4_bit_blocks_pack_compact():
     assert panels.pack_q4(torch.zeros(40, 32)) is not None
 
 
-def test_the_avx2_build_gives_the_same_4_bit_products(tmp_path):
+def test_the_avx2_build_gives_the_same_4_and_8_bit_products(tmp_path):
     if panels.cpu_level() is None:
         pytest.skip("not an x86-64 CPU with AVX2")
     weight, x = _q4_weight(70, 96, 5), torch.randn(11, 96)
@@ -171,3 +171,35 @@ def test_the_avx2_build_gives_the_same_4_bit_products(tmp_path):
     expected = panels.product(x, panels.pack(weight), 70, lib)
     assert torch.equal(panels.product(x, panels.pack_q4(weight), 70, lib), expected)
     torch.testing.assert_close(expected, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    weight = _q8_weight(70, 96, 6)
+    expected = panels.product(x, panels.pack(weight), 70, lib)
+    assert torch.equal(panels.product(x, panels.pack_q8(weight), 70, lib), expected)
+
+
+def _q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Exactly a Q8_0 dequantization, as GGUF's: w = d * q in float32, d float16, |q| <= 127."""
+    torch.manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32)).float()
+    q[:, :, 0] = -127  # each block's largest |q| is 127, as the quantizer makes it
+    q[:, 1, :] = q[:, 1, :].clamp(-126, 126)  # ... or, rounded, 126
+    d = (torch.rand(n, k // 32, 1) * 0.001).half().float()
+    return (q * d).reshape(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize(("n", "k"), [(100, 576), (49, 64)])
+def test_an_8_bit_weight_gives_the_float32_panels_bits_from_its_compact_copy(rows, n, k):
+    weight = _q8_weight(n, k, rows + n)
+    compact = panels.pack_compact(weight)
+    assert isinstance(compact, panels.Q8Panels) and panels.pack_q4(weight) is None
+    x = torch.randn(rows, k)
+    assert torch.equal(panels.product(x, compact, n), panels.product(x, panels.pack(weight), n))
+
+
+def test_only_weights_that_are_exactly_8_bit_blocks_pack_as_such():
+    weight = _q8_weight(64, 64, 0)
+    nudged = weight.clone()
+    nudged[5, 9] = torch.nextafter(nudged[5, 9], torch.tensor(1.0))
+    assert panels.pack_q8(weight) is not None and panels.pack_q8(nudged) is None
+    assert panels.pack_compact(torch.randn(64, 64)) is None
+    assert isinstance(panels.pack_compact(_q4_weight(64, 64, 2)), panels.Q4Panels)  # the smaller form first
