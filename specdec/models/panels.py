@@ -6,6 +6,11 @@ streams each panel once for all rows (kernels/panels.cpp says how, and why each 
 the same whatever the rows and threads beside it). It is one more layout for the calibration to
 time (`specdec.models.cpu_layout`), not a replacement: where MKL is faster, MKL stays.
 
+Weights that are exactly 4- or 8-bit blocks (a GGUF model's Q4_1 / Q8_0 weights, dequantized to
+float32 when it loaded, as the packaged target's are) get a compact copy instead (`pack_compact`):
+the kernel rebuilds each float32 weight exactly from it, so the products are the same bits from a
+sixth or a third of the memory traffic.
+
 The kernel is C++ built for the CPU's x86-64 level (v4: AVX-512, v3: AVX2 + FMA) and linked to
 the OpenMP runtime torch loaded, so its threads are the model thread's team (a second runtime
 would mean a second team: `specdec.models.openmp_env`). A library built beforehand
@@ -38,8 +43,9 @@ log = logging.getLogger(__name__)
 
 PANEL = 32  # outputs per panel: the kernel's two 16-float vectors
 # Past this many rows (a prompt's forward) MKL's blocked GEMM is faster and PlannedLinear uses it:
-# SmolLM2 prompts on an AMX Xeon, panels against MKL, 32 rows 63 / 70 ms, 128 140 / 145, 256 263 /
-# 253, 512 545 / 470.
+# SmolLM2 prompts on an AMX Xeon, panels against MKL (ms): from float32 panels 32 rows 63 / 70, 128
+# 140 / 145, 256 263 / 253, 512 545 / 470; from the 4- and 8-bit copies 16 rows 31 / 58, 64 75 /
+# 97, 128 140 / 136, 256 287 / 250.
 MAX_ROWS = 128
 SOURCE = Path(__file__).with_name("kernels") / "panels.cpp"
 PREBUILT_DIR = SOURCE.parent
