@@ -15,8 +15,8 @@ The kernel is C++ built for the CPU's x86-64 level (v4: AVX-512, v3: AVX2 + FMA)
 the OpenMP runtime torch loaded, so its threads are the model thread's team (a second runtime
 would mean a second team: `specdec.models.openmp_env`). A library built beforehand
 (`python -m specdec.models.panels --build`, as the Docker image's build stage does) is used if
-present, else one is built into the user cache with the C++ compiler (`CXX`, default g++; about
-a second) and kept there. Without a compiler, on another CPU or if anything fails, the layout is
+present, else one is built into the user cache (or, where that cannot be written, the temporary
+directory) with the C++ compiler (`CXX`, default g++; about a second) and kept there. Without a compiler, on another CPU or if anything fails, the layout is
 unavailable and the service logs why once: the other layouts serve as before.
 """
 
@@ -87,12 +87,14 @@ def library_name(level: str) -> str:
     return f"panels-{level}-{digest}.so"
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where a built library is kept: SPECDEC_KERNEL_CACHE if set, else the user cache, then the
+    temporary directory (a read-only home, as under a read-only root filesystem)."""
     explicit = os.environ.get("SPECDEC_KERNEL_CACHE")
     if explicit:
-        return Path(explicit)
+        return [Path(explicit)]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdec" / "kernels"
+    return [Path(base) / "specdec" / "kernels", Path(tempfile.gettempdir()) / f"specdec-kernels-{os.getuid()}"]
 
 
 def build(level: str, directory: Path) -> Path:
@@ -125,12 +127,21 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if level is None:
         return None, "this CPU is not x86-64 with AVX2 + FMA"
     name = library_name(level)
+    path = next((d / name for d in (PREBUILT_DIR, *_cache_dirs()) if (d / name).exists()), None)
+    failures = []
+    for directory in [] if path else _cache_dirs():
+        try:
+            path = build(level, directory)
+            break
+        except (OSError, RuntimeError) as failed:
+            failures.append(str(failed))
     try:
-        path = next((d / name for d in (PREBUILT_DIR, _cache_dir()) if (d / name).exists()), None)
-        path = path or build(level, _cache_dir())
-        lib = load(path)
-    except (OSError, RuntimeError) as failed:
-        return None, str(failed)
+        lib = load(path) if path else None
+    except OSError as failed:
+        failures.append(str(failed))
+        lib = None
+    if lib is None:
+        return None, "; ".join(failures)
     runtimes = _loaded_openmp_runtimes()
     if len(runtimes) > 1:
         return None, f"two OpenMP runtimes loaded ({', '.join(runtimes)})"

@@ -3,6 +3,9 @@ beside it, clear errors on bad input, and a clear reason when it cannot be built
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -203,3 +206,22 @@ def test_only_weights_that_are_exactly_8_bit_blocks_pack_as_such():
     assert panels.pack_q8(weight) is not None and panels.pack_q8(nudged) is None
     assert panels.pack_compact(torch.randn(64, 64)) is None
     assert isinstance(panels.pack_compact(_q4_weight(64, 64, 2)), panels.Q4Panels)  # the smaller form first
+
+
+def test_a_read_only_cache_falls_back_to_the_temporary_directory(tmp_path, monkeypatch):
+    if panels.cpu_level() is None:
+        pytest.skip("not an x86-64 CPU with AVX2")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a cache under a file cannot be made, not even by root (a read-only home)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked / "cache"))
+    monkeypatch.delenv("SPECDEC_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(panels, "PREBUILT_DIR", tmp_path / "none")
+    panels._library.cache_clear()
+    try:
+        lib, why = panels._library()
+        assert lib is not None, why
+        assert [p.name for p in (tmp_path / "tmp").iterdir()] == [f"specdec-kernels-{os.getuid()}"]
+    finally:
+        panels._library.cache_clear()
