@@ -16,8 +16,9 @@ the OpenMP runtime torch loaded, so its threads are the model thread's team (a s
 would mean a second team: `specdec.models.openmp_env`). A library built beforehand
 (`python -m specdec.models.panels --build`, as the Docker image's build stage does) is used if
 present, else one is built into the user cache (or, where that cannot be written, the temporary
-directory) with the C++ compiler (`CXX`, default g++; about a second) and kept there. Without a compiler, on another CPU or if anything fails, the layout is
-unavailable and the service logs why once: the other layouts serve as before.
+directory) with the C++ compiler (`CXX`, default g++; about a second) and kept there. Without a
+compiler, on another CPU or if anything fails, the layout is unavailable and the service logs why
+once: the other layouts serve as before.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def build(level: str, directory: Path) -> Path:
         flags = [f"-march={level}", *FLAGS]
         # Linked by hand, without -fopenmp, so that the only OpenMP runtime it names is torch's.
         link = ["-shared", "-nodefaultlibs", str(runtime), f"-Wl,-rpath,{Path(runtime).parent}", "-lc", "-lm"]
-        for command in ([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)], [compiler, str(obj), *link, "-o", str(lib)]):
+        compile_ = [compiler, *flags, "-c", str(SOURCE), "-o", str(obj)]
+        for command in (compile_, [compiler, str(obj), *link, "-o", str(lib)]):
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")

@@ -97,7 +97,8 @@ def test_the_packaged_targets_decoder_weights_pack_as_4_bit_panels():
     from specdec.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(DEFAULT)
-    decoder = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.")]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    decoder = [m for name, m in linears if name.startswith("model.layers.")]
     assert len(decoder) == 7 * model.config.num_hidden_layers
     assert all(panels.pack_q4(m.weight) is not None for m in decoder)
     assert panels.pack_q4(model.lm_head.weight) is None and panels.pack_q8(model.lm_head.weight) is not None

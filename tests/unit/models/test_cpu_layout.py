@@ -153,7 +153,8 @@ def test_auto_keeps_the_tuned_plans_or_panels_for_all_whichever_curve_is_faster(
     timed: list[dict] = []  # per setup timed: each shape's layouts at 1..3 rows
 
     def plans_now():
-        return {shape: tuple(group[0].plan.layout(r) for r in (1, 2, 3)) for shape, group in planned_linears(runner.model).items()}
+        layers = planned_linears(runner.model).items()
+        return {shape: tuple(group[0].plan.layout(r) for r in (1, 2, 3)) for shape, group in layers}
 
     def curves(runner, max_rows, setups, *args):
         for setup in setups:

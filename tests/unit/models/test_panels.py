@@ -46,7 +46,13 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it():
 
 def test_bad_input_is_refused_before_the_kernel_reads_it():
     packed = panels.pack(torch.randn(40, 24))
-    for x, n in [(torch.randn(3, 25), 40), (torch.randn(3, 24, dtype=torch.float64), 40), (torch.randn(24), 40), (torch.randn(3, 24), 65)]:
+    bad = [
+        (torch.randn(3, 25), 40),  # K does not match
+        (torch.randn(3, 24, dtype=torch.float64), 40),
+        (torch.randn(24), 40),
+        (torch.randn(3, 24), 65),  # more outputs than the panels hold
+    ]
+    for x, n in bad:
         with pytest.raises(ValueError, match="panels product"):
             panels.product(x, packed, n)
 
@@ -84,12 +90,12 @@ def test_a_build_installs_a_loadable_library_under_its_level_and_source_digest(t
 def test_every_level_this_cpu_runs_computes_the_product(tmp_path):
     """The Docker image carries both builds; this CPU checks each it can run (v4 hosts: both)."""
     here = panels.cpu_level()
-    levels = [level for level in panels.LEVELS if here is not None and list(panels.LEVELS).index(level) >= list(panels.LEVELS).index(here)]
-    if not levels:
+    if here is None:
         pytest.skip("not an x86-64 CPU with AVX2")
     torch.manual_seed(2)
     weight, x = torch.randn(100, 48), torch.randn(11, 48)
-    for level in levels:
+    order = list(panels.LEVELS)  # highest first
+    for level in order[order.index(here) :]:
         lib = panels.load(panels.build(level, tmp_path))
         got = panels.product(x, panels.pack(weight), 100, lib)
         torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-5)
@@ -118,7 +124,14 @@ def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_
     from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
 
     # SmolLM2-135M's widths: at these, MKL's products of a row differ by the rows beside it.
-    config = LlamaConfig(vocab_size=50, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
     torch.manual_seed(3)
     model = LlamaForCausalLM(config).eval()
     use_layout_plans(model, PANELS)
@@ -127,7 +140,11 @@ def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_
     for runner in (batched, alone):
         for session, tokens in prompts.items():
             runner.last_logits(session, tokens, 1)
-    items = [StepItem("a", [*prompts["a"], 20], 1), StepItem("b", [*prompts["b"], 21, 22, 23, 24], 5), StepItem("c", [*prompts["c"], 25, 26], 3)]
+    items = [
+        StepItem("a", [*prompts["a"], 20], 1),  # a decode
+        StepItem("b", [*prompts["b"], 21, 22, 23, 24], 5),  # a Verify of K = 4
+        StepItem("c", [*prompts["c"], 25, 26], 3),
+    ]
     for got, item in zip(batched.step(items), items, strict=True):
         assert torch.equal(got.logits, alone.last_logits(item.session_id, item.token_ids, item.num_last).logits)
 
@@ -150,7 +167,8 @@ def test_a_4_bit_weight_gives_the_float32_panels_bits_from_its_compact_copy(rows
     compact = panels.pack_q4(weight)
     assert compact is not None and compact.nibbles.dtype == torch.uint8
     padded = -(-n // 32) * 32
-    assert compact.nibbles.numel() + 4 * (compact.scale.numel() + compact.offset.numel()) == padded * k * 3 // 4  # bytes
+    stored = compact.nibbles.numel() + 4 * (compact.scale.numel() + compact.offset.numel())  # bytes
+    assert stored == padded * k * 3 // 4
     x = torch.randn(rows, k)
     assert torch.equal(panels.product(x, compact, n), panels.product(x, panels.pack(weight), n))
 
