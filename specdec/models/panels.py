@@ -128,6 +128,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     level = cpu_level()
     if level is None:
         return None, "this CPU is not x86-64 with AVX2 + FMA"
+    if not SOURCE.exists():  # an install without the package data
+        return None, f"{SOURCE} is missing"
     name = library_name(level)
     path = next((d / name for d in (PREBUILT_DIR, *_cache_dirs()) if (d / name).exists()), None)
     failures = []
