@@ -43,6 +43,7 @@ import torch
 log = logging.getLogger(__name__)
 
 PANEL = 32  # outputs per panel: the kernel's two 16-float vectors
+BLOCK = 32  # inputs per quantization block (GGUF's Q4_1 and Q8_0)
 # Past this many rows (a prompt's forward) MKL's blocked GEMM is faster and PlannedLinear uses it:
 # SmolLM2 prompts on an AMX Xeon, panels against MKL (ms): from float32 panels 32 rows 63 / 70, 128
 # 140 / 145, 256 263 / 253, 512 545 / 470; from the 4- and 8-bit copies 16 rows 31 / 58, 64 75 /
@@ -130,26 +131,29 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, "this CPU is not x86-64 with AVX2 + FMA"
     if not SOURCE.exists():  # an install without the package data
         return None, f"{SOURCE} is missing"
-    name = library_name(level)
-    path = next((d / name for d in (PREBUILT_DIR, *_cache_dirs()) if (d / name).exists()), None)
-    failures = []
-    for directory in [] if path else _cache_dirs():
-        try:
-            path = build(level, directory)
-            break
-        except (OSError, RuntimeError) as failed:
-            failures.append(str(failed))
     try:
-        lib = load(path) if path else None
-    except OSError as failed:
-        failures.append(str(failed))
-        lib = None
-    if lib is None:
-        return None, "; ".join(failures)
+        lib = load(_find_or_build(level))
+    except (OSError, RuntimeError) as failed:
+        return None, str(failed)
     runtimes = _loaded_openmp_runtimes()
     if len(runtimes) > 1:
         return None, f"two OpenMP runtimes loaded ({', '.join(runtimes)})"
     return lib, ""
+
+
+def _find_or_build(level: str) -> Path:
+    """The library for `level`: prebuilt, cached, or built into the first cache that takes it."""
+    name = library_name(level)
+    found = next((d / name for d in (PREBUILT_DIR, *_cache_dirs()) if (d / name).exists()), None)
+    if found is not None:
+        return found
+    failures = []
+    for directory in _cache_dirs():
+        try:
+            return build(level, directory)
+        except (OSError, RuntimeError) as failed:
+            failures.append(str(failed))
+    raise RuntimeError("; ".join(failures))
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -185,13 +189,45 @@ def _log_unavailable(why: str) -> None:
     log.info("the panels matmul layout is unavailable (%s); the other layouts serve", why)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero past row N."""
-    n, k = weight.shape
+def _in_panels(rows: torch.Tensor) -> torch.Tensor:
+    """[N, C], a row per output -> [ceil(N / 32), C, 32] contiguous, zero past output N."""
+    n, c = rows.shape
     count = -(-n // PANEL)
-    padded = torch.zeros(count * PANEL, k, dtype=torch.float32)
-    padded[:n] = weight.detach()
-    return padded.reshape(count, PANEL, k).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, count * PANEL - n))
+    return padded.reshape(count, PANEL, c).transpose(1, 2).contiguous()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 -> panels [ceil(N / 32), K, 32]."""
+    return _in_panels(weight.detach().to(torch.float32))
+
+
+def _block_levels(
+    weight: torch.Tensor, offset: bool, tops: tuple[int, ...], low: int, high: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [N, K], d [N, K / 32], m [N, K / 32]) with every weight exactly q * d + m, q in low..high,
+    one float16 d (and m) per block of 32 inputs, or None. m is the block's least value when
+    `offset` (Q4_1), else 0 (Q8_0); d is tried as the float16 nearest the block's reach over each
+    of `tops`, the largest |q| the quantizer may have given it."""
+    n, k = weight.shape
+    if k % BLOCK or n == 0:
+        return None
+    blocks = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)
+    m = blocks.amin(-1, keepdim=True) if offset else torch.zeros_like(blocks[..., :1])
+    reach = blocks.amax(-1, keepdim=True) - m if offset else blocks.abs().amax(-1, keepdim=True)
+    d, q = torch.zeros_like(m), torch.zeros_like(blocks)
+    solved = reach == 0  # a constant block: q = 0
+    for top in tops:
+        candidate = (reach / top).half().float()
+        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
+        levels = torch.round((blocks - m) / safe).clamp(low, high)
+        fits = ~solved & (candidate > 0) & ((levels * candidate + m) == blocks).all(-1, keepdim=True)
+        d, q, solved = torch.where(fits, candidate, d), torch.where(fits, levels, q), solved | fits
+        if bool(solved.all()):
+            break
+    if not bool(solved.all()) or not torch.equal(q * d + m, blocks):
+        return None
+    return q.reshape(n, k), d.reshape(n, k // BLOCK), m.reshape(n, k // BLOCK)
 
 
 @dataclass(frozen=True)
@@ -209,38 +245,13 @@ class Q4Panels:
 
 def pack_q4(weight: torch.Tensor) -> Q4Panels | None:
     """W [N, K] as Q4Panels when every weight is exactly d * q + m of a 4-bit block dequantization
-    (GGUF's Q4_1: m the block's least value, d a float16; the packaged target's decoder weights
-    are), else None. Found from the values alone, then checked weight by weight."""
-    n, k = weight.shape
-    if k % 32 or n == 0:
+    (GGUF's Q4_1; the packaged target's decoder weights are), else None."""
+    found = _block_levels(weight, offset=True, tops=tuple(range(15, 0, -1)), low=0, high=15)
+    if found is None:
         return None
-    blocks = weight.detach().to(torch.float32).reshape(n, k // 32, 32)
-    m = blocks.amin(-1, keepdim=True)
-    span = blocks.amax(-1, keepdim=True) - m
-    d = torch.zeros_like(m)
-    q = torch.zeros_like(blocks)
-    solved = span == 0  # a constant block: q = 0
-    for top in range(15, 0, -1):  # the largest q in the block: 15 unless the quantizer rounded it down
-        candidate = (span / top).half().float()
-        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
-        levels = torch.round((blocks - m) / safe).clamp(0, 15)
-        fits = ~solved & (candidate > 0) & ((levels * candidate + m) == blocks).all(-1, keepdim=True)
-        d, q, solved = torch.where(fits, candidate, d), torch.where(fits, levels, q), solved | fits
-        if bool(solved.all()):
-            break
-    if not bool(solved.all()) or not torch.equal(q * d + m, blocks):
-        return None
-    count = -(-n // PANEL)
-    pad = count * PANEL - n
-    q = torch.nn.functional.pad(q.reshape(n, k), (0, 0, 0, pad)).to(torch.uint8)
-    q = q.reshape(count, PANEL, k).transpose(1, 2)  # [P, K, 32]
-    nibbles = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
-
-    def per_panel(values: torch.Tensor) -> torch.Tensor:  # [N, K/32, 1] -> [P, K/32, 32]
-        padded = torch.nn.functional.pad(values.reshape(n, k // 32), (0, 0, 0, pad))
-        return padded.reshape(count, PANEL, k // 32).transpose(1, 2).contiguous()
-
-    return Q4Panels(nibbles, per_panel(d), per_panel(m))
+    q, d, m = found
+    q = _in_panels(q.to(torch.uint8))  # [P, K, 32]
+    return Q4Panels((q[..., :16] | (q[..., 16:] << 4)).contiguous(), _in_panels(d), _in_panels(m))
 
 
 @dataclass(frozen=True)
@@ -257,32 +268,12 @@ class Q8Panels:
 
 def pack_q8(weight: torch.Tensor) -> Q8Panels | None:
     """W [N, K] as Q8Panels when every weight is exactly d * q of an 8-bit block dequantization
-    (GGUF's Q8_0: d = a float16 near the block's largest |w| / 127), else None; checked weight
-    by weight."""
-    n, k = weight.shape
-    if k % 32 or n == 0:
+    (GGUF's Q8_0: d near the block's largest |w| / 127; the packaged target's head), else None."""
+    found = _block_levels(weight, offset=False, tops=(127, 126, 128, 125), low=-128, high=127)
+    if found is None:
         return None
-    blocks = weight.detach().to(torch.float32).reshape(n, k // 32, 32)
-    top = blocks.abs().amax(-1, keepdim=True)
-    d = torch.zeros_like(top)
-    q = torch.zeros_like(blocks)
-    solved = top == 0
-    for largest in (127, 126, 128, 125):  # the largest |q|: 127 unless d's rounding moved it
-        candidate = (top / largest).half().float()
-        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
-        levels = torch.round(blocks / safe).clamp(-128, 127)
-        fits = ~solved & (candidate > 0) & ((levels * candidate) == blocks).all(-1, keepdim=True)
-        d, q, solved = torch.where(fits, candidate, d), torch.where(fits, levels, q), solved | fits
-        if bool(solved.all()):
-            break
-    if not bool(solved.all()) or not torch.equal(q * d, blocks):
-        return None
-    count = -(-n // PANEL)
-    pad = count * PANEL - n
-    q = torch.nn.functional.pad(q.reshape(n, k), (0, 0, 0, pad)).to(torch.int8)
-    levels = q.reshape(count, PANEL, k).transpose(1, 2).contiguous()  # [P, K, 32]
-    scale = torch.nn.functional.pad(d.reshape(n, k // 32), (0, 0, 0, pad))
-    return Q8Panels(levels, scale.reshape(count, PANEL, k // 32).transpose(1, 2).contiguous())
+    q, d, _ = found
+    return Q8Panels(_in_panels(q.to(torch.int8)), _in_panels(d))
 
 
 def pack_compact(weight: torch.Tensor) -> Q4Panels | Q8Panels | None:
