@@ -94,6 +94,27 @@ class ReservedLayer(DynamicLayer):
             values[:, :, :length].copy_(self.values)
         self._key_buffer, self._value_buffer = keys, values
 
+    def reserve(self, rows: int, like: torch.Tensor) -> tuple[int, int, int]:
+        """Room for `rows` more own positions, to be written straight into the buffers (the compiled
+        attention kernel: `specdec.models.ragged`), then counted by `extend`. like: [1, kv heads, 0,
+        head dim] of the layer's dtype, for a layer that holds nothing yet. Returns (key buffer
+        address, value buffer address, capacity in positions); each buffer is [kv heads, capacity,
+        head dim], contiguous."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        length = self.own_length()
+        self._reserve(length, length + rows, like, like)
+        keys, values = self._key_buffer, self._value_buffer
+        if keys.shape[0] != 1 or not (keys.is_contiguous() and values.is_contiguous()):
+            raise ValueError(f"a cache buffer of shape {tuple(keys.shape)} is not one contiguous sequence")
+        return keys.data_ptr(), values.data_ptr(), keys.shape[-2]
+
+    def extend(self, rows: int) -> None:
+        """Counts `rows` positions written into the buffers after the own ones (`reserve`)."""
+        needed = self.own_length() + rows
+        self.keys = self._key_buffer[:, :, :needed]
+        self.values = self._value_buffer[:, :, :needed]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.prefix_keys is not None:
             # What this returns would lack the prefix: attention over it would be silently wrong.

@@ -49,8 +49,9 @@ BLOCK = 32  # inputs per quantization block (GGUF's Q4_1 and Q8_0)
 # 140 / 145, 256 263 / 253, 512 545 / 470; from the 4- and 8-bit copies 16 rows 31 / 58, 64 75 /
 # 97, 128 140 / 136, 256 287 / 250.
 MAX_ROWS = 128
-SOURCE = Path(__file__).with_name("kernels") / "panels.cpp"
-PREBUILT_DIR = SOURCE.parent
+# One library: the products here and the attention of ragged steps (kernels/attention.cpp, ragged.py).
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("panels.cpp", "attention.cpp"))
+PREBUILT_DIR = SOURCES[0].parent
 # x86-64 micro-architecture levels and the /proc/cpuinfo flags each needs (the ones its code uses).
 # Built with these flags and -march=<level>; no exceptions or RTTI, so it needs no C++ runtime.
 FLAGS = ("-O3", "-mtune=generic", "-fPIC", "-fopenmp", "-fno-exceptions", "-fno-rtti")
@@ -84,7 +85,7 @@ def _openmp_runtime() -> str | None:
 
 
 def library_name(level: str) -> str:
-    key = SOURCE.read_bytes() + " ".join((level, *FLAGS, torch.__version__)).encode()
+    key = b"".join(source.read_bytes() for source in SOURCES) + " ".join((level, *FLAGS, torch.__version__)).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return f"panels-{level}-{digest}.so"
 
@@ -110,12 +111,12 @@ def build(level: str, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / library_name(level)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        obj, lib = Path(scratch, "panels.o"), Path(scratch, target.name)
+        objects, lib = [Path(scratch, f"{source.stem}.o") for source in SOURCES], Path(scratch, target.name)
         flags = [f"-march={level}", *FLAGS]
         # Linked by hand, without -fopenmp, so that the only OpenMP runtime it names is torch's.
         link = ["-shared", "-nodefaultlibs", str(runtime), f"-Wl,-rpath,{Path(runtime).parent}", "-lc", "-lm"]
-        compile_ = [compiler, *flags, "-c", str(SOURCE), "-o", str(obj)]
-        for command in (compile_, [compiler, str(obj), *link, "-o", str(lib)]):
+        commands = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objects)]
+        for command in (*commands, [compiler, *map(str, objects), *link, "-o", str(lib)]):
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
@@ -129,8 +130,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     level = cpu_level()
     if level is None:
         return None, "this CPU is not x86-64 with AVX2 + FMA"
-    if not SOURCE.exists():  # an install without the package data
-        return None, f"{SOURCE} is missing"
+    missing = [str(source) for source in SOURCES if not source.exists()]
+    if missing:  # an install without the package data
+        return None, f"{', '.join(missing)} missing"
     try:
         lib = load(_find_or_build(level))
     except (OSError, RuntimeError) as failed:
@@ -165,6 +167,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.panels_q4_product.restype = None
     lib.panels_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr]
     lib.panels_q8_product.restype = None
+    lib.ragged_attention_supports.argtypes = [size]
+    lib.ragged_attention_supports.restype = ctypes.c_int
+    lib.ragged_attention.argtypes = [ptr, size, size, ptr, size, size, ptr, size, size, ptr, size, size, size, size]
+    lib.ragged_attention.argtypes += [ctypes.c_float, ptr]
+    lib.ragged_attention.restype = None
     return lib
 
 
@@ -178,15 +185,20 @@ def _loaded_openmp_runtimes() -> list[str]:
 
 
 def available() -> bool:
+    return kernel_library() is not None
+
+
+def kernel_library() -> ctypes.CDLL | None:
+    """This process's compiled kernels (the products, ragged attention), or None (logged once)."""
     lib, why = _library()
     if lib is None:
         _log_unavailable(why)
-    return lib is not None
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
 def _log_unavailable(why: str) -> None:
-    log.info("the panels matmul layout is unavailable (%s); the other layouts serve", why)
+    log.info("the compiled kernels are unavailable (%s): MKL's products and SDPA serve", why)
 
 
 def _in_panels(rows: torch.Tensor) -> torch.Tensor:

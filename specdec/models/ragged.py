@@ -8,19 +8,34 @@ that per segment: it appends the segment's new keys/values to the session's Dyna
 calls the very SDPA function and mask a solo cached forward would call, so a segment's attention
 equals its solo attention exactly and only the linear layers' row count differs (float noise).
 
+Segments of a few rows (decodes, Verify rows) go to a compiled kernel instead where it is built
+(`kernels/attention.cpp`, `CompiledSegments`): one call a layer appends all their keys/values and
+attends every (segment, head), where SDPA cost a call a segment plus the Python around it. Each row
+there is computed alone, in one order, so a batched item still gets its solo bits, provided its
+solo forward takes the same kernel: the runner sends every cached forward of such a model through
+`ragged_forward`, a batch of one included.
+
 The model is switched to this attention only inside `ragged_forward` (under the runner's lock,
 on its thread); outside it, it is the plain SDPA model it was.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from specdec.models import panels
+from specdec.models.kv_cache import shareable, shared_prefix
+
 RAGGED_ATTENTION = "specdec_ragged"
+# Segments of at most this many new rows attend in the compiled kernel; longer ones (prompts) in
+# SDPA's flash kernel, whose blocked products win there. A function of the segment alone, so a
+# session's rows take the same kernel batched or alone.
+COMPILED_MAX_ROWS = 16
 
 # Model types whose attention is `cache.update` + the shared attention interface on full-attention
 # layers (no sliding windows, position biases or soft caps): what ragged_attention reproduces.
@@ -38,9 +53,21 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class CompiledSegments:
+    """The segments the compiled kernel attends, their caches' buffers reserved for their new rows."""
+
+    indices: frozenset[int]  # into RaggedBatch.segments
+    # [layers, len(indices), 6] int64, per segment: first row, rows, past, key buffer address, value
+    # buffer address, buffer capacity (the kernel's Segment).
+    tables: torch.Tensor
+    lib: ctypes.CDLL
+
+
+@dataclass(frozen=True)
 class RaggedBatch:
     segments: tuple[Segment, ...]
     position_ids: torch.Tensor  # [1, T]: segment i's rows are past_i, past_i + 1, ...
+    compiled: CompiledSegments | None = None
 
     @property
     def rows(self) -> int:
@@ -85,11 +112,18 @@ def ragged_attention(
     attend = rowwise(sdpa_attention_forward)
     if ragged is None:
         raise RuntimeError("ragged attention called outside ragged_forward")
+    compiled = ragged.compiled
+    done = _compiled_attention(module, query, key, value, compiled, kwargs.get("scaling")) if compiled else None
+    if compiled is not None and len(compiled.indices) == len(ragged.segments):
+        return done, None
     outputs: list[torch.Tensor | None] = [None] * len(ragged.segments)
     prefixed: dict[tuple[int, int], list[int]] = {}  # (id of the prefix's root, length) -> segment indices
     exact: list[tuple[int, tuple]] = []  # (segment index, (query rows, keys, values)) in the exact form
     for index, seg in enumerate(ragged.segments):
         rows = slice(seg.start, seg.end)
+        if compiled is not None and index in compiled.indices:
+            outputs[index] = done[:, rows]
+            continue
         layer = seg.kv.layers[module.layer_idx]
         if getattr(layer, "prefix_keys", None) is None:
             # The session's keys/values through this segment: [1, Hkv, past + n, D].
@@ -111,6 +145,68 @@ def ragged_attention(
         for index, out in zip(group, _after_prefix(module, query, segments, kwargs.get("scaling")), strict=True):
             outputs[index] = out  # [1, n, Hq, D]
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _compiled_attention(module, query, key, value, compiled: CompiledSegments, scale: float | None) -> torch.Tensor:
+    """[1, T, Hq, D], its compiled segments' rows filled in (others: garbage), their keys/values
+    appended to their caches' buffers; query: [1, Hq, T, D], key, value: [1, Hkv, T, D]."""
+    _, heads, rows, dim = query.shape
+    out = torch.empty((1, rows, heads, dim), dtype=torch.float32)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    table = compiled.tables[module.layer_idx]
+    compiled.lib.ragged_attention(
+        query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), key.stride(2), key.stride(1),
+        value.data_ptr(), value.stride(2), value.stride(1), table.data_ptr(), table.shape[0], heads, key.shape[1],
+        dim, dim**-0.5 if scale is None else scale, out.data_ptr(),
+    )
+    return out
+
+
+def compiled_attention_ok(model) -> bool:
+    """Whether `ragged_forward(..., compiled=True)` may attend this model's short segments in the
+    compiled kernel: float32 on the CPU, every layer a full-attention one (`supports_ragged`), its
+    head size one the kernel takes, and no attention computed in bfloat16's exact form."""
+    from specdec.models.bf16_matmul import ROWWISE
+
+    lib = panels.kernel_library()
+    if lib is None or not supports_ragged(model):
+        return False
+    param = next(model.parameters())
+    if param.dtype != torch.float32 or param.device.type != "cpu":
+        return False
+    if any(getattr(module, ROWWISE, False) for module in model.modules()):
+        return False
+    return bool(lib.ragged_attention_supports(_head_dim(model.config)))
+
+
+def _head_dim(config) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
+    """The batch with its short segments (`COMPILED_MAX_ROWS`, no shared prefix) marked for the
+    compiled kernel, each of their cache layers' buffers reserved for the new rows."""
+    like = torch.empty((1, config.num_key_value_heads, 0, _head_dim(config)), dtype=torch.float32)
+    indices, columns = [], []
+    for index, seg in enumerate(batch.segments):
+        rows = seg.end - seg.start
+        if rows > COMPILED_MAX_ROWS or not shareable(seg.kv) or shared_prefix(seg.kv)[0] is not None:
+            continue
+        past = seg.kv.get_seq_length()
+        indices.append(index)
+        columns.append([(seg.start, rows, past, *layer.reserve(rows, like)) for layer in seg.kv.layers])
+    if not indices:
+        return batch
+    tables = torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous()  # [layers, segments, 6]
+    return replace(batch, compiled=CompiledSegments(frozenset(indices), tables, panels.kernel_library()))
+
+
+def _settle_compiled(batch: RaggedBatch) -> None:
+    """After the forward: each compiled segment's cache holds its new rows (the kernel wrote them)."""
+    for index in batch.compiled.indices:
+        seg = batch.segments[index]
+        for layer in seg.kv.layers:
+            layer.extend(seg.end - seg.start)
 
 
 def _after_prefix(module, query: torch.Tensor, segments: list[Segment], scale: float | None) -> list[torch.Tensor]:
@@ -205,11 +301,16 @@ def attention_implementation(model, name: str) -> Iterator[None]:
         config._attn_implementation = original
 
 
-def ragged_forward(model, batch: RaggedBatch, logits_to_keep: torch.Tensor, want_hidden: bool, **inputs):
+def ragged_forward(
+    model, batch: RaggedBatch, logits_to_keep: torch.Tensor, want_hidden: bool, compiled: bool = False, **inputs
+):
     """The model over the flattened batch (`inputs`: input_ids or inputs_embeds, [1, T, ...]),
-    extending each segment's cache; logits only at the rows in `logits_to_keep` ([K] indices)."""
+    extending each segment's cache; logits only at the rows in `logits_to_keep` ([K] indices).
+    compiled: short segments attend in the compiled kernel (only where `compiled_attention_ok`)."""
+    if compiled:
+        batch = _compile_segments(batch, model.config)
     with attention_implementation(model, RAGGED_ATTENTION):
-        return model(
+        out = model(
             **inputs,
             position_ids=batch.position_ids,
             use_cache=False,  # the sessions' caches are updated inside ragged_attention
@@ -217,6 +318,9 @@ def ragged_forward(model, batch: RaggedBatch, logits_to_keep: torch.Tensor, want
             output_hidden_states=want_hidden,
             ragged=batch,
         )
+    if batch.compiled is not None:
+        _settle_compiled(batch)
+    return out
 
 
 _register()

@@ -23,7 +23,7 @@ from specdec.core.errors import Unavailable
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
 from specdec.models.kv_cache import SharedRoot, copy_cache, fork_cache, new_cache, shareable, shared_prefix
-from specdec.models.ragged import build_batch, ragged_forward, supports_ragged
+from specdec.models.ragged import build_batch, compiled_attention_ok, ragged_forward, supports_ragged
 
 # Set on every model thread (the executors' initializer): close() must not wait for its own thread.
 _MODEL_THREAD = threading.local()
@@ -315,6 +315,7 @@ class ModelRunner:
         # None: whatever torch is set to.
         self.governor = None
         self._supports_ragged: bool | None = None  # decided at the first step
+        self._compiled_attention: bool | None = None  # likewise (`_compiled_ok`)
         self.stores_prefixes_once = True  # False: every fork copies (`_stores_once`)
         self.pads_uncached = True  # False: a step's uncached sequences run ragged, not left-padded together
 
@@ -526,6 +527,14 @@ class ModelRunner:
         # Re-read: a later switch of attention implementation (a GPU path) must not be missed.
         return self._supports_ragged and self.model.config._attn_implementation == "sdpa"
 
+    def _compiled_ok(self) -> bool:
+        """Whether short segments attend in the compiled kernel (`ragged.compiled_attention_ok`).
+        Then every cached forward runs through `ragged_forward`, alone or batched: each row takes
+        the same kernel either way, so a batched item gets exactly its solo logits."""
+        if self._compiled_attention is None:
+            self._compiled_attention = compiled_attention_ok(self.model)
+        return self._compiled_attention and self._ragged_ok()
+
     @torch.inference_mode()
     def _ragged_step(self, items: list[StepItem]) -> list[LogitsResult]:
         with self._lock:
@@ -543,7 +552,8 @@ class ModelRunner:
             # On an exception the entries (possibly half-updated) are simply not put back.
             with self._threads(batch.rows):
                 out = ragged_forward(
-                    self.model, batch, keep.to(self.device), want_hidden, **self._ragged_inputs(planned)
+                    self.model, batch, keep.to(self.device), want_hidden, self._compiled_ok(),
+                    **self._ragged_inputs(planned),
                 )
             logits = out.logits[0].float().cpu()  # [sum of num_last, V], item by item
             final = out.hidden_states[-1][0].float().cpu() if want_hidden else None  # [T, H]
@@ -603,10 +613,13 @@ class ModelRunner:
             inputs = {"inputs_embeds": fused_inputs(self.model, new, fed.to(self.device).unsqueeze(0))}
         else:
             inputs = {"input_ids": new}
-        if shared_prefix(entry.kv)[0] is not None:  # a shared prefix: read by ragged attention only
+        compiled = self._compiled_ok()
+        # A shared prefix is read by ragged attention only; with the compiled kernel, a solo forward
+        # takes it as a batched one would.
+        if compiled or shared_prefix(entry.kv)[0] is not None:
             batch = build_batch([entry.kv], [len(new_tokens)], self.device)
             keep = torch.arange(len(new_tokens) - num_last, len(new_tokens), device=self.device)
-            return ragged_forward(self.model, batch, keep, want_hidden, **inputs)
+            return ragged_forward(self.model, batch, keep, want_hidden, compiled, **inputs)
         return self.model(
             **inputs, cache=entry.kv, use_cache=True, logits_to_keep=num_last, output_hidden_states=want_hidden
         )

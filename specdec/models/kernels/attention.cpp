@@ -1,0 +1,310 @@
+// Attention of a ragged batch's short segments (decode and Verify rows) against their sessions'
+// cached keys/values, all segments and heads in one call. Built with panels.cpp into one library
+// by specdec/models/panels.py; called by specdec/models/ragged.py.
+//
+// Why: per segment and layer, the Python around SDPA (cache append, mask, kernel checks) cost more
+// than the attention did: 8 decodes of 400 cached tokens spent 23.6 of a 48 ms step (SmolLM2-135M,
+// 2 threads) in 240 small SDPA calls. Here one call per layer appends every segment's new
+// keys/values to its cache buffer and attends every (segment, key/value head) pair, the query
+// heads that share a key/value head together, so each key and value is read once for them.
+//
+// Each (row, head) is computed by one thread, in one order: its scores q . k_j over positions
+// 0 .. past + i (causal; row i of the segment is position past + i), exp(s - max) (a vector exp),
+// their sum and the weighted sum of values, each accumulated in position order. So a row's result
+// does not depend on the rows, segments or threads beside it: a decode batched with others gives
+// the bits it gives alone, and a Verify row the bits of its own one-row decode.
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+// Vectors of 8 floats (AVX2) and, with AVX-512, of 16; a head of d floats uses the widest that
+// divides d (SmolLM2's 64: four of 16).
+typedef float v8 __attribute__((vector_size(32)));
+typedef int i8 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));
+typedef int i16 __attribute__((vector_size(64)));
+#define WIDEST 16
+#else
+#define WIDEST 8
+#endif
+
+#define MAX_ROWS 4  // query rows a pass keeps
+#define MAX_ACC 16  // their accumulators, in vectors: within the register file
+
+static inline v8 floor_of(v8 x) { return (v8)_mm256_floor_ps((__m256)x); }
+
+// W vectors -> one vector of their lane sums, lane i the sum of vector BITREV[i] (so feed position
+// BITREV[i] in slot i for sums in position order). Each vector's lanes go through the same tree
+// whatever its neighbours (at each level, lane i plus lane i + half within its block): a position's
+// score is the same bits in any group.
+#define HALVES(x, y, lo, hi) (__builtin_shufflevector(x, y, lo) + __builtin_shufflevector(x, y, hi))
+static const int BITREV8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#define LO_8_8 0, 1, 2, 3, 8, 9, 10, 11
+#define HI_8_8 4, 5, 6, 7, 12, 13, 14, 15
+#define LO_8_4 0, 1, 8, 9, 4, 5, 12, 13
+#define HI_8_4 2, 3, 10, 11, 6, 7, 14, 15
+#define LO_8_2 0, 8, 2, 10, 4, 12, 6, 14
+#define HI_8_2 1, 9, 3, 11, 5, 13, 7, 15
+static inline v8 lane_sums(const v8* v) {
+    v8 a[4], b[2];
+    for (int i = 0; i < 4; i++) a[i] = HALVES(v[2 * i], v[2 * i + 1], LO_8_8, HI_8_8);
+    for (int i = 0; i < 2; i++) b[i] = HALVES(a[2 * i], a[2 * i + 1], LO_8_4, HI_8_4);
+    return HALVES(b[0], b[1], LO_8_2, HI_8_2);
+}
+
+#if defined(__AVX512F__)
+static inline v16 floor_of(v16 x) {
+    return (v16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+
+static const int BITREV16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#define LO_16_16 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI_16_16 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO_16_8 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI_16_8 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO_16_4 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI_16_4 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO_16_2 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI_16_2 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+static inline v16 lane_sums(const v16* v) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = HALVES(v[2 * i], v[2 * i + 1], LO_16_16, HI_16_16);
+    for (int i = 0; i < 4; i++) b[i] = HALVES(a[2 * i], a[2 * i + 1], LO_16_8, HI_16_8);
+    for (int i = 0; i < 2; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], LO_16_4, HI_16_4);
+    return HALVES(c[0], c[1], LO_16_2, HI_16_2);
+}
+#endif
+
+template <class V> struct Lanes;
+template <> struct Lanes<v8> {
+    typedef i8 ints;
+    static constexpr int width = 8;
+    static const int* bitrev() { return BITREV8; }
+};
+#if defined(__AVX512F__)
+template <> struct Lanes<v16> {
+    typedef i16 ints;
+    static constexpr int width = 16;
+    static const int* bitrev() { return BITREV16; }
+};
+#endif
+
+template <class V> static inline V max_of(V a, V b) { return a > b ? a : b; }
+
+// An unaligned load (a vector type loses its alignment attribute as a template argument, and a
+// plain dereference would then assume its full alignment).
+template <class V> static inline V load(const float* from) {
+    V v;
+    memcpy(&v, from, sizeof(v));
+    return v;
+}
+
+// exp(x) for x <= 0 (a score minus the row's largest): Cephes' expf (range reduction by ln 2, a
+// degree-6 polynomial), relative error about 1e-7. Below -87.3 it returns exp(-87.3) ~ 1e-38,
+// nothing beside the largest score's 1.
+template <class V> static inline V exp_neg(V x) {
+    typedef typename Lanes<V>::ints I;
+    x = max_of(x, (V){} - 87.3f);
+    V n = floor_of(x * 1.44269504088896341f + 0.5f);
+    V r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    I two_n = (__builtin_convertvector(n, I) + 127) << 23;
+    return p * (V)two_n;
+}
+
+struct Segment {  // as ragged.py lays out its int64 table, one row per segment
+    long start;   // its first row in the batch
+    long rows;    // its new rows (positions past .. past + rows - 1)
+    long past;    // positions its cache held before this step
+    long keys;    // address of its key buffer, [kv heads][capacity][dim] float32
+    long values;  // likewise
+    long capacity;
+};
+
+struct Row {         // one query row of one head
+    const float* q;  // its head_dim floats
+    float* out;      // where its output goes
+    long seen;       // positions it attends: 0 .. seen - 1
+};
+
+// Each row's weights over positions 0 .. last - 1 in place of its scores (scores + r * stride):
+// exp(s - max) over its own positions, zero past them; returns their sums in total.
+template <class V, int ROWS>
+static void softmax_weights(const Row* rows, long last, float* scores, long stride, float* total) {
+    const int W = Lanes<V>::width;
+    for (int r = 0; r < ROWS; r++) {
+        float* s = scores + r * stride;
+        const long seen = rows[r].seen;
+        const long padded = (seen + W - 1) / W * W;
+        for (long j = seen; j < padded; j++) s[j] = s[seen - 1];  // finite, and zeroed below
+        V top = load<V>(s);
+        for (long j = W; j < padded; j += W) top = max_of(top, load<V>(s + j));
+        float m = top[0];
+        for (int i = 1; i < W; i++) m = top[i] > m ? top[i] : m;
+        for (long j = 0; j < padded; j += W) {
+            V e = exp_neg(load<V>(s + j) - m);
+            memcpy(s + j, &e, sizeof(e));
+        }
+        for (long j = seen; j < (padded > last ? padded : last); j++) s[j] = 0.0f;
+        V sum = {};
+        for (long j = 0; j < padded; j += W) sum += load<V>(s + j);
+        float t = 0.0f;
+        for (int i = 0; i < W; i++) t += sum[i];
+        total[r] = t;
+    }
+}
+
+// ROWS rows against one key/value head: their scores over positions 0 .. last - 1 (last: the most
+// any of them sees) into scores[r * stride + j], then weights, then their outputs.
+template <class V, int VECS, int ROWS>
+static void attend_rows(const Row* rows, const float* keys, const float* values, float scale, float* scores,
+                        long stride) {
+    const int W = Lanes<V>::width;
+    const long dim = VECS * W;
+    long last = 0;
+    for (int r = 0; r < ROWS; r++) last = rows[r].seen > last ? rows[r].seen : last;
+    V query[ROWS][VECS];
+    for (int r = 0; r < ROWS; r++)
+        for (int l = 0; l < VECS; l++) query[r][l] = load<V>(rows[r].q + l * W) * scale;
+    for (long j0 = 0; j0 < last; j0 += W) {
+        V dots[ROWS][W];
+        for (int slot = 0; slot < W; slot++) {
+            const long j = j0 + Lanes<V>::bitrev()[slot];
+            const float* key = keys + (j < last ? j : last - 1) * dim;  // past the end: a copy, unused
+            V k[VECS];
+            for (int l = 0; l < VECS; l++) k[l] = load<V>(key + l * W);
+            for (int r = 0; r < ROWS; r++) {
+                V dot = query[r][0] * k[0];
+                for (int l = 1; l < VECS; l++) dot += query[r][l] * k[l];
+                dots[r][slot] = dot;
+            }
+        }
+        for (int r = 0; r < ROWS; r++) {
+            V sums = lane_sums(dots[r]);
+            memcpy(scores + r * stride + j0, &sums, sizeof(sums));
+        }
+    }
+    float total[ROWS];
+    softmax_weights<V, ROWS>(rows, last, scores, stride, total);
+    // A zero weight adds an exact zero to a row's sums: a row that sees fewer positions than `last`
+    // gets the bits it would alone.
+    V acc[ROWS][VECS] = {};
+    for (long j = 0; j < last; j++) {
+        V value[VECS];
+        for (int l = 0; l < VECS; l++) value[l] = load<V>(values + j * dim + l * W);
+        for (int r = 0; r < ROWS; r++) {
+            const float w = scores[r * stride + j];
+            for (int l = 0; l < VECS; l++) acc[r][l] += w * value[l];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int l = 0; l < VECS; l++) {
+            V o = acc[r][l] / total[r];
+            memcpy(rows[r].out + l * W, &o, sizeof(o));
+        }
+}
+
+// Every query row of one key/value head of a segment (its `group` query heads x the segment's
+// rows), a few a pass, so that each key and value is read once for them.
+template <class V, int VECS>
+static void attend_head(const Segment& seg, long kv_head, long group, const float* q, long q_token, long q_head,
+                        float* out, long out_token, float scale, float* scores, long stride) {
+    const long dim = VECS * Lanes<V>::width;
+    const float* keys = (const float*)seg.keys + kv_head * seg.capacity * dim;
+    const float* values = (const float*)seg.values + kv_head * seg.capacity * dim;
+    constexpr int chunk = MAX_ACC / VECS < 1 ? 1 : (MAX_ACC / VECS > MAX_ROWS ? MAX_ROWS : MAX_ACC / VECS);
+    const long count = seg.rows * group;
+    for (long first = 0; first < count; first += chunk) {
+        const long n = count - first < chunk ? count - first : chunk;
+        Row rows[MAX_ROWS];
+        for (long r = 0; r < n; r++) {
+            const long i = (first + r) / group, h = kv_head * group + (first + r) % group;  // row i of head h
+            rows[r] = {q + (seg.start + i) * q_token + h * q_head, out + (seg.start + i) * out_token + h * dim,
+                       seg.past + i + 1};
+        }
+        switch (n) {
+            case 1: attend_rows<V, VECS, 1>(rows, keys, values, scale, scores, stride); break;
+            case 2: attend_rows<V, VECS, 2>(rows, keys, values, scale, scores, stride); break;
+            case 3: attend_rows<V, VECS, 3>(rows, keys, values, scale, scores, stride); break;
+            default: attend_rows<V, VECS, 4>(rows, keys, values, scale, scores, stride); break;
+        }
+    }
+}
+
+typedef void (*HeadFn)(const Segment&, long, long, const float*, long, long, float*, long, float, float*, long);
+
+template <class V> static HeadFn head_fn(long vecs) {
+    switch (vecs) {
+        case 1: return attend_head<V, 1>;
+        case 2: return attend_head<V, 2>;
+        case 3: return attend_head<V, 3>;
+        case 4: return attend_head<V, 4>;
+        case 5: return attend_head<V, 5>;
+        case 6: return attend_head<V, 6>;
+        case 8: return attend_head<V, 8>;
+        case 10: return attend_head<V, 10>;
+        case 12: return attend_head<V, 12>;
+        case 16: return attend_head<V, 16>;
+        default: return nullptr;
+    }
+}
+
+// The attention of one head of `dim` floats: in the widest vectors that divide it.
+static HeadFn head_for(long dim) {
+#if defined(__AVX512F__)
+    if (dim % 16 == 0) return head_fn<v16>(dim / 16);
+#endif
+    return dim % 8 == 0 ? head_fn<v8>(dim / 8) : nullptr;
+}
+
+static void append(const Segment& seg, const float* k, long k_token, long k_head, const float* v, long v_token,
+                   long v_head, long kv_heads, long dim) {
+    float* keys = (float*)seg.keys;
+    float* values = (float*)seg.values;
+    for (long h = 0; h < kv_heads; h++)
+        for (long r = 0; r < seg.rows; r++) {
+            const long at = (h * seg.capacity + seg.past + r) * dim;
+            memcpy(keys + at, k + (seg.start + r) * k_token + h * k_head, dim * sizeof(float));
+            memcpy(values + at, v + (seg.start + r) * v_token + h * v_head, dim * sizeof(float));
+        }
+}
+
+// Whether ragged_attention takes heads of this size.
+extern "C" int ragged_attention_supports(long dim) { return head_for(dim) != nullptr; }
+
+// q: this step's query rows, row t head h at q + t * q_token + h * q_head (head_dim floats, stride
+// 1); k, v: its new key/value rows likewise, kv_heads of them; segments: `count` Segments, whose
+// buffers have room for past + rows positions. Appends each segment's new keys/values to its
+// buffers, then writes out [rows][heads][dim] (contiguous) for every segment's rows; rows of the
+// batch outside the segments are left as they are.
+extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
+                                 const float* v, long v_token, long v_head, const long* table, long count, long heads,
+                                 long kv_heads, long dim, float scale, float* out) {
+    const HeadFn attend = head_for(dim);
+    if (attend == nullptr) return;  // ragged.py asks ragged_attention_supports first
+    const Segment* segments = (const Segment*)table;
+    long longest = 0;
+    for (long s = 0; s < count; s++) {
+        append(segments[s], k, k_token, k_head, v, v_token, v_head, kv_heads, dim);
+        if (segments[s].past + segments[s].rows > longest) longest = segments[s].past + segments[s].rows;
+    }
+    const long stride = (longest + WIDEST - 1) / WIDEST * WIDEST + WIDEST;
+    const long group = heads / kv_heads, out_token = heads * dim, tasks = count * kv_heads;
+#pragma omp parallel
+    {
+        float* scores = (float*)malloc(MAX_ROWS * stride * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < tasks; t++)
+            attend(segments[t / kv_heads], t % kv_heads, group, q, q_token, q_head, out, out_token, scale, scores,
+                   stride);
+        free(scores);
+    }
+}

@@ -1,0 +1,202 @@
+"""The compiled ragged attention (kernels/attention.cpp): SDPA's result for decode and Verify rows,
+each row's bits independent of the rows, segments and threads beside it, the cache buffers
+extended as DynamicCache would, and every cached forward of the runner taking it alone or batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import panels
+from specdec.models.kv_cache import new_cache
+from specdec.models.ragged import COMPILED_MAX_ROWS, build_batch, compiled_attention_ok
+
+
+class Heads:
+    """Sessions of one attention layer: cache buffers as ReservedLayer keeps them, and a step's rows."""
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, seed: int = 0):
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen)
+
+    def buffers(self, past: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = torch.zeros(1, self.kv_heads, capacity, self.dim), torch.zeros(1, self.kv_heads, capacity, self.dim)
+        keys[:, :, :past], values[:, :, :past] = self.randn(1, self.kv_heads, past, self.dim), self.randn(
+            1, self.kv_heads, past, self.dim
+        )
+        return keys, values
+
+
+def _attend(lib, query, key, value, segments, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """The kernel over one layer: query [1, Hq, T, D], key/value [1, Hkv, T, D]; segments: (start,
+    rows, past, key buffer, value buffer) each. Returns [1, T, Hq, D]."""
+    table = torch.tensor(
+        [[s, n, p, kb.data_ptr(), vb.data_ptr(), kb.shape[2]] for s, n, p, kb, vb in segments], dtype=torch.int64
+    )
+    out = torch.full((1, query.shape[2], heads, dim), float("nan"))
+    lib.ragged_attention(
+        query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), key.stride(2), key.stride(1),
+        value.data_ptr(), value.stride(2), value.stride(1), table.data_ptr(), len(segments), heads, kv_heads,
+        dim, dim**-0.5, out.data_ptr(),
+    )
+    return out
+
+
+def _step(h: Heads, shapes: list[tuple[int, int]]):
+    """Query/key/value rows of a step whose segments are (past, rows) each, laid out as the model's
+    projections leave them ([1, T, H, D] viewed as [1, H, T, D])."""
+    total = sum(n for _, n in shapes)
+    query = h.randn(1, total, h.heads, h.dim).transpose(1, 2)
+    key = h.randn(1, total, h.kv_heads, h.dim).transpose(1, 2)
+    value = h.randn(1, total, h.kv_heads, h.dim).transpose(1, 2)
+    segments, start = [], 0
+    for past, n in shapes:
+        segments.append((start, n, past, *h.buffers(past, past + n + 5)))
+        start += n
+    return query, key, value, segments
+
+
+def _reference(query, key, value, segments) -> torch.Tensor:
+    outs = []
+    for start, n, past, kb, vb in segments:
+        keys = torch.cat([kb[:, :, :past], key[:, :, start : start + n]], dim=2)
+        values = torch.cat([vb[:, :, :past], value[:, :, start : start + n]], dim=2)
+        mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        q = query[:, :, start : start + n]
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        )
+    return torch.cat(outs, dim=1)
+
+
+def _levels(tmp_path_factory) -> list:
+    """The library this process uses, and the AVX2 build where this CPU runs AVX-512 too."""
+    libs = [panels.kernel_library()]
+    if panels.cpu_level() == "x86-64-v4":
+        libs.append(panels.load(panels.build("x86-64-v3", tmp_path_factory.mktemp("v3"))))
+    return libs
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    assert panels.available(), panels._library()[1]
+    return _levels(tmp_path_factory)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 8), (2, 2, 16), (4, 1, 24), (2, 1, 80), (4, 2, 128)])
+def test_decode_and_verify_rows_are_sdpa(libs, heads, kv_heads, dim):
+    h = Heads(heads, kv_heads, dim, seed=dim)
+    # A decode after 0, 1 and 400 positions, Verify rows, a prompt-sized segment, 17 = past a vector.
+    query, key, value, segments = _step(h, [(400, 1), (0, 1), (1, 3), (37, 5), (0, COMPILED_MAX_ROWS), (17, 2)])
+    expected = _reference(query, key, value, segments)
+    for lib in libs:
+        assert lib.ragged_attention_supports(dim)
+        fresh = [(s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in segments]
+        got = _attend(lib, query, key, value, fresh, heads, kv_heads, dim)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+        for start, n, past, kb, vb in fresh:  # the new rows appended after the cached ones
+            torch.testing.assert_close(kb[:, :, past : past + n], key[:, :, start : start + n], rtol=0, atol=0)
+            torch.testing.assert_close(vb[:, :, past : past + n], value[:, :, start : start + n], rtol=0, atol=0)
+
+
+def test_unsupported_head_sizes_are_refused(libs):
+    for lib in libs:
+        assert not lib.ragged_attention_supports(12) and not lib.ragged_attention_supports(7)
+        assert lib.ragged_attention_supports(64) and lib.ragged_attention_supports(8)
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_segments_or_threads_beside_it(libs):
+    """A segment batched with others, alone, and each Verify row as the one-row decode of its
+    position: the same bits. This is what makes a batched step give each item its solo logits."""
+    h = Heads(9, 3, 64, seed=1)
+    query, key, value, segments = _step(h, [(30, 5), (300, 1), (7, 4)])
+    threads = torch.get_num_threads()
+    for lib in libs:
+        try:
+            torch.set_num_threads(2)
+            together = _attend(lib, query, key, value, [(s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in segments], 9, 3, 64)
+            torch.set_num_threads(1)
+            start, n, past, kb, vb = segments[0]
+            kb, vb = kb.clone(), vb.clone()
+            for i in range(n):  # row i alone: a decode after past + i positions (rows before it cached)
+                rows = slice(start + i, start + i + 1)
+                alone = _attend(lib, query[:, :, rows], key[:, :, rows], value[:, :, rows], [(0, 1, past + i, kb, vb)], 9, 3, 64)
+                assert torch.equal(alone[0, 0], together[0, start + i])
+            for s, n, p, kb, vb in segments[1:]:
+                rows = slice(s, s + n)
+                alone = _attend(lib, query[:, :, rows], key[:, :, rows], value[:, :, rows], [(0, n, p, kb.clone(), vb.clone())], 9, 3, 64)
+                assert torch.equal(alone[0], together[0, rows])
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_a_cache_layer_reserves_then_extends_as_update_would():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    like = torch.empty(1, 2, 0, 8)
+    written, updated = new_cache(config), new_cache(config)
+    for rows in (3, 1, 70, 2):  # past the first buffer's room: it grows, keeping what it held
+        k, v = torch.randn(1, 2, rows, 8), torch.randn(1, 2, rows, 8)
+        layer = written.layers[0]
+        key_at, value_at, capacity = layer.reserve(rows, like)
+        length = layer.own_length()
+        assert capacity >= length + rows and key_at == layer._key_buffer.data_ptr()
+        layer._key_buffer[:, :, length : length + rows] = k  # as the kernel writes them
+        layer._value_buffer[:, :, length : length + rows] = v
+        layer.extend(rows)
+        updated.update(k, v, 0)
+        assert torch.equal(written.layers[0].keys, updated.layers[0].keys)
+        assert torch.equal(written.layers[0].values, updated.layers[0].values)
+    written.crop(50 - written.get_seq_length())  # a rollback keeps working on the extended views
+    assert written.get_seq_length() == 50 and torch.equal(written.layers[0].keys, updated.layers[0].keys[:, :, :50])
+
+
+def test_the_tiny_models_attend_in_the_kernel_alone_and_batched(tiny_loaded, monkeypatch):
+    """The services' tiny pair (head size 8) takes the kernel, so the law tests through the real
+    services run it; a solo forward and a batched step both call it, for decode and Verify rows."""
+    from specdec.models import ragged
+
+    runner = tiny_loaded["target"].runner
+    assert compiled_attention_ok(runner.model) and runner.on_model_thread(runner._compiled_ok)
+    calls = []
+    original = ragged._compiled_attention
+    monkeypatch.setattr(ragged, "_compiled_attention", lambda *a: calls.append(a[4].indices) or original(*a))
+    from specdec.models.runner import StepItem
+
+    prompt = [t % runner.vocab_size for t in range(1, COMPILED_MAX_ROWS + 5)]
+    runner.on_model_thread(runner.last_logits, "kernel-a", prompt, 1)
+    assert not calls  # a prompt's rows go to SDPA
+    runner.on_model_thread(runner.last_logits, "kernel-a", [*prompt, 3], 1)
+    assert calls and all(c == frozenset({0}) for c in calls)
+    calls.clear()
+    other = prompt[::-1]  # no prefix in common: no fork reading a shared prefix (SDPA's cascade path)
+    runner.on_model_thread(runner.last_logits, "kernel-b", other, 1)
+    calls.clear()
+    items = [StepItem("kernel-a", [*prompt, 3, 4, 5, 6], 4), StepItem("kernel-b", [*other, 2], 2)]
+    runner.on_model_thread(runner.step, items)
+    assert calls and all(c == frozenset({0, 1}) for c in calls)
+
+
+def test_a_model_in_bfloat16_keeps_sdpa(tiny_model_dirs):
+    from specdec.models.loading import load_causal_lm
+
+    model, _ = load_causal_lm(str(tiny_model_dirs["target"]), dtype="bfloat16")
+    assert not compiled_attention_ok(model)
+
+
+def test_segments_past_the_row_limit_or_after_a_shared_prefix_keep_sdpa(tiny_loaded):
+    from specdec.models.kv_cache import SharedRoot, fork_cache
+    from specdec.models.ragged import _compile_segments
+
+    config = tiny_loaded["target"].runner.model.config
+    runner = tiny_loaded["target"].runner
+    runner.on_model_thread(runner.last_logits, "kernel-p", [t % runner.vocab_size for t in range(1, 40)], 1)
+    source = runner.cache.peek("kernel-p").kv
+    forked = fork_cache(source, 30, config)
+    assert isinstance(forked.layers[0].prefix_root, SharedRoot)
+    batch = build_batch([new_cache(config), new_cache(config), forked], [COMPILED_MAX_ROWS + 1, COMPILED_MAX_ROWS, 2], torch.device("cpu"))
+    assert _compile_segments(batch, config).compiled.indices == frozenset({1})
