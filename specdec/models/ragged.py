@@ -186,7 +186,8 @@ def _head_dim(config) -> int:
 def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
     """The batch with its short segments (`COMPILED_MAX_ROWS`, no shared prefix) marked for the
     compiled kernel, each of their cache layers' buffers reserved for the new rows."""
-    like = torch.empty((1, config.num_key_value_heads, 0, _head_dim(config)), dtype=torch.float32)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=torch.float32)
     indices, columns = [], []
     for index, seg in enumerate(batch.segments):
         rows = seg.end - seg.start

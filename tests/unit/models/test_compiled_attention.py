@@ -23,10 +23,9 @@ class Heads:
         return torch.randn(*shape, generator=self.gen)
 
     def buffers(self, past: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = torch.zeros(1, self.kv_heads, capacity, self.dim), torch.zeros(1, self.kv_heads, capacity, self.dim)
-        keys[:, :, :past], values[:, :, :past] = self.randn(1, self.kv_heads, past, self.dim), self.randn(
-            1, self.kv_heads, past, self.dim
-        )
+        keys, values = (torch.zeros(1, self.kv_heads, capacity, self.dim) for _ in range(2))
+        keys[:, :, :past] = self.randn(1, self.kv_heads, past, self.dim)
+        values[:, :, :past] = self.randn(1, self.kv_heads, past, self.dim)
         return keys, values
 
 
@@ -66,9 +65,8 @@ def _reference(query, key, value, segments) -> torch.Tensor:
         values = torch.cat([vb[:, :, :past], value[:, :, start : start + n]], dim=2)
         mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
         q = query[:, :, start : start + n]
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2)
-        )
+        attended = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        outs.append(attended.transpose(1, 2))
     return torch.cat(outs, dim=1)
 
 
@@ -86,7 +84,9 @@ def libs(tmp_path_factory):
     return _levels(tmp_path_factory)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 8), (2, 2, 16), (4, 1, 24), (2, 1, 80), (4, 2, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 8), (2, 2, 16), (4, 1, 24), (2, 1, 80), (4, 2, 128)]
+)
 def test_decode_and_verify_rows_are_sdpa(libs, heads, kv_heads, dim):
     h = Heads(heads, kv_heads, dim, seed=dim)
     # A decode after 0, 1 and 400 positions, Verify rows, a prompt-sized segment, 17 = past a vector.
@@ -117,17 +117,20 @@ def test_a_rows_bits_do_not_depend_on_the_rows_segments_or_threads_beside_it(lib
     for lib in libs:
         try:
             torch.set_num_threads(2)
-            together = _attend(lib, query, key, value, [(s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in segments], 9, 3, 64)
+            copies = [(s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in segments]
+            together = _attend(lib, query, key, value, copies, 9, 3, 64)
             torch.set_num_threads(1)
             start, n, past, kb, vb = segments[0]
             kb, vb = kb.clone(), vb.clone()
             for i in range(n):  # row i alone: a decode after past + i positions (rows before it cached)
                 rows = slice(start + i, start + i + 1)
-                alone = _attend(lib, query[:, :, rows], key[:, :, rows], value[:, :, rows], [(0, 1, past + i, kb, vb)], 9, 3, 64)
+                one = [(0, 1, past + i, kb, vb)]
+                alone = _attend(lib, query[:, :, rows], key[:, :, rows], value[:, :, rows], one, 9, 3, 64)
                 assert torch.equal(alone[0, 0], together[0, start + i])
             for s, n, p, kb, vb in segments[1:]:
                 rows = slice(s, s + n)
-                alone = _attend(lib, query[:, :, rows], key[:, :, rows], value[:, :, rows], [(0, n, p, kb.clone(), vb.clone())], 9, 3, 64)
+                one = [(0, n, p, kb.clone(), vb.clone())]
+                alone = _attend(lib, query[:, :, rows], key[:, :, rows], value[:, :, rows], one, 9, 3, 64)
                 assert torch.equal(alone[0], together[0, rows])
         finally:
             torch.set_num_threads(threads)
@@ -198,5 +201,6 @@ def test_segments_past_the_row_limit_or_after_a_shared_prefix_keep_sdpa(tiny_loa
     source = runner.cache.peek("kernel-p").kv
     forked = fork_cache(source, 30, config)
     assert isinstance(forked.layers[0].prefix_root, SharedRoot)
-    batch = build_batch([new_cache(config), new_cache(config), forked], [COMPILED_MAX_ROWS + 1, COMPILED_MAX_ROWS, 2], torch.device("cpu"))
+    lengths = [COMPILED_MAX_ROWS + 1, COMPILED_MAX_ROWS, 2]
+    batch = build_batch([new_cache(config), new_cache(config), forked], lengths, torch.device("cpu"))
     assert _compile_segments(batch, config).compiled.indices == frozenset({1})
