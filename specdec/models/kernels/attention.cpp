@@ -32,6 +32,7 @@ typedef int i16 __attribute__((vector_size(64)));
 
 #define MAX_ROWS 4  // query rows a pass keeps
 #define MAX_ACC 16  // their accumulators, in vectors: within the register file
+#define AHEAD 32    // positions ahead whose keys / values are prefetched
 
 static inline v8 floor_of(v8 x) { return (v8)_mm256_floor_ps((__m256)x); }
 
@@ -179,6 +180,7 @@ static void attend_rows(const Row* rows, const float* keys, const float* values,
         for (int slot = 0; slot < W; slot++) {
             const long j = j0 + Lanes<V>::bitrev()[slot];
             const float* key = keys + (j < last ? j : last - 1) * dim;  // past the end: a copy, unused
+            for (long b = 0; b < dim; b += 16) __builtin_prefetch(keys + (j0 + AHEAD + slot) * dim + b, 0, 3);
             V k[VECS];
             for (int l = 0; l < VECS; l++) k[l] = load<V>(key + l * W);
             for (int r = 0; r < ROWS; r++) {
@@ -199,6 +201,7 @@ static void attend_rows(const Row* rows, const float* keys, const float* values,
     V acc[ROWS][VECS] = {};
     for (long j = 0; j < last; j++) {
         V value[VECS];
+        for (long b = 0; b < dim; b += 16) __builtin_prefetch(values + (j + AHEAD) * dim + b, 0, 3);
         for (int l = 0; l < VECS; l++) value[l] = load<V>(values + j * dim + l * W);
         for (int r = 0; r < ROWS; r++) {
             const float w = scores[r * stride + j];
