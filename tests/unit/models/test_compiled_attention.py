@@ -204,3 +204,29 @@ def test_segments_past_the_row_limit_or_after_a_shared_prefix_keep_sdpa(tiny_loa
     lengths = [COMPILED_MAX_ROWS + 1, COMPILED_MAX_ROWS, 2]
     batch = build_batch([new_cache(config), new_cache(config), forked], lengths, torch.device("cpu"))
     assert _compile_segments(batch, config).compiled.indices == frozenset({1})
+
+
+def test_without_the_compiled_library_steps_attend_in_sdpa_with_the_same_laws(tiny_loaded, monkeypatch):
+    """A host without a compiler (or not x86-64) serves as before the kernel: SDPA per segment."""
+    from specdec.models import ragged
+    from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
+
+    served = tiny_loaded["target"].runner
+    monkeypatch.setattr(ragged.panels, "kernel_library", lambda: None)
+    plain = ModelRunner(served.model, SessionKVCache(8, 10_000))
+    try:
+        assert not compiled_attention_ok(plain.model) and not plain.on_model_thread(plain._compiled_ok)
+        prompt = [t % plain.vocab_size for t in range(3, 30)]
+        items = [StepItem("fallback-a", [*prompt, 1, 2], 2), StepItem("fallback-b", prompt[::-1] + [4], 1)]
+        for runner in (plain, served):
+            for item in items:
+                runner.on_model_thread(runner.last_logits, item.session_id, item.token_ids[:-item.num_last], 1)
+        got = plain.on_model_thread(plain.step, items)
+        monkeypatch.undo()
+        expected = served.on_model_thread(served.step, items)
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g.logits, e.logits, rtol=1e-5, atol=1e-5)
+    finally:
+        plain.close()
+        served.on_model_thread(served.cache.drop, "fallback-a")
+        served.on_model_thread(served.cache.drop, "fallback-b")
