@@ -119,13 +119,19 @@ def _tuned_or_panels(runner, plans: dict[tuple[int, int], LayoutPlan], max_rows:
         return forward_costs(runner, max_rows)
     tuned = {shape: (plan.default, dict(plan.by_rows)) for shape, plan in plans.items()}
 
-    def use_tuned():
-        for shape, plan in plans.items():
-            plan.default, plan.by_rows = tuned[shape][0], dict(tuned[shape][1])
-
     def use_panels():
         for plan in plans.values():
             plan.default, plan.by_rows = PANELS, {}
+
+    if runner.fuses_layers():
+        # Short forwards run the fused layers on the panels whatever the plans say: the plans serve
+        # prompts and the head, where panels keep a row's logits independent of its company.
+        use_panels()
+        return forward_costs(runner, max_rows)
+
+    def use_tuned():
+        for shape, plan in plans.items():
+            plan.default, plan.by_rows = tuned[shape][0], dict(tuned[shape][1])
 
     tuned_seconds, panels_seconds = compare_forward_costs(runner, max_rows, [use_tuned, use_panels])
     if sum(panels_seconds) < sum(tuned_seconds):

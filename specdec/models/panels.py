@@ -49,8 +49,9 @@ BLOCK = 32  # inputs per quantization block (GGUF's Q4_1 and Q8_0)
 # 140 / 145, 256 263 / 253, 512 545 / 470; from the 4- and 8-bit copies 16 rows 31 / 58, 64 75 /
 # 97, 128 140 / 136, 256 287 / 250.
 MAX_ROWS = 128
-# One library: the products here and the attention of ragged steps (kernels/attention.cpp, ragged.py).
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("panels.cpp", "attention.cpp"))
+# One library: the products here, the attention of ragged steps (kernels/attention.cpp, ragged.py)
+# and whole decoder layers over their short segments (kernels/layers.cpp, fused.py).
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("panels.cpp", "attention.cpp", "layers.cpp"))
 PREBUILT_DIR = SOURCES[0].parent
 # x86-64 micro-architecture levels and the /proc/cpuinfo flags each needs (the ones its code uses).
 # Built with these flags and -march=<level>; no exceptions or RTTI, so it needs no C++ runtime.
@@ -172,6 +173,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ragged_attention.argtypes = [ptr, size, size, ptr, size, size, ptr, size, size, ptr, size, size, size, size]
     lib.ragged_attention.argtypes += [ctypes.c_float, ptr]
     lib.ragged_attention.restype = None
+    lib.decoder_layers.argtypes = [ptr, size, size, size, ptr, size, ctypes.c_float, ptr, ptr, ptr, size, size, size]
+    lib.decoder_layers.argtypes += [size, ctypes.c_float]
+    lib.decoder_layers.restype = ctypes.c_int
     return lib
 
 

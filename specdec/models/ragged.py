@@ -25,10 +25,12 @@ import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
 from specdec.models import panels
+from specdec.models.fused import fused_forward, fused_layers
 from specdec.models.kv_cache import shareable, shared_prefix
 
 RAGGED_ATTENTION = "specdec_ragged"
@@ -190,9 +192,9 @@ def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
     like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=torch.float32)
     indices, columns = [], []
     for index, seg in enumerate(batch.segments):
-        rows = seg.end - seg.start
-        if rows > COMPILED_MAX_ROWS or not shareable(seg.kv) or shared_prefix(seg.kv)[0] is not None:
+        if not _compilable(seg):
             continue
+        rows = seg.end - seg.start
         past = seg.kv.get_seq_length()
         indices.append(index)
         columns.append([(seg.start, rows, past, *layer.reserve(rows, like)) for layer in seg.kv.layers])
@@ -200,6 +202,11 @@ def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
         return batch
     tables = torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous()  # [layers, segments, 6]
     return replace(batch, compiled=CompiledSegments(frozenset(indices), tables, panels.kernel_library()))
+
+
+def _compilable(seg: Segment) -> bool:
+    """Whether the compiled kernels take this segment: a few rows, no shared prefix."""
+    return seg.end - seg.start <= COMPILED_MAX_ROWS and shareable(seg.kv) and shared_prefix(seg.kv)[0] is None
 
 
 def _settle_compiled(batch: RaggedBatch) -> None:
@@ -307,7 +314,18 @@ def ragged_forward(
 ):
     """The model over the flattened batch (`inputs`: input_ids or inputs_embeds, [1, T, ...]),
     extending each segment's cache; logits only at the rows in `logits_to_keep` ([K] indices).
-    compiled: short segments attend in the compiled kernel (only where `compiled_attention_ok`)."""
+    compiled: short segments attend in the compiled kernel (only where `compiled_attention_ok`),
+    and run whole in the fused decoder layers where the model has them (`fused.fused_layers`)."""
+    fused = fused_layers(model) if compiled else None
+    if fused is not None:
+        short = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
+        if len(short) == len(batch.segments):
+            batch = _compile_segments(batch, model.config)
+            out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, **inputs)
+            _settle_compiled(batch)
+            return out
+        if short:
+            return _split_forward(model, batch, short, logits_to_keep, want_hidden, **inputs)
     if compiled:
         batch = _compile_segments(batch, model.config)
     with attention_implementation(model, RAGGED_ATTENTION):
@@ -322,6 +340,42 @@ def ragged_forward(
     if batch.compiled is not None:
         _settle_compiled(batch)
     return out
+
+
+def _split_forward(model, batch: RaggedBatch, short: list[int], logits_to_keep, want_hidden: bool, **inputs):
+    """A batch of short segments and others (prompts, segments after a shared prefix): the short
+    ones in the fused layers, the others in transformers' forward, as each would run alone."""
+    parts = [short, [i for i in range(len(batch.segments)) if i not in set(short)]]
+    owner = torch.empty(batch.rows, dtype=torch.long)  # row -> its part
+    local = torch.empty(batch.rows, dtype=torch.long)  # row -> its row within the part
+    subs = []
+    for number, indices in enumerate(parts):
+        segments, rows, start = [], [], 0
+        for i in indices:
+            seg = batch.segments[i]
+            segments.append(replace(seg, start=start, end=start + seg.end - seg.start))
+            rows.append(torch.arange(seg.start, seg.end))
+            start = segments[-1].end
+        rows = torch.cat(rows)
+        owner[rows], local[rows] = number, torch.arange(len(rows))
+        subs.append((rows, RaggedBatch(tuple(segments), batch.position_ids[:, rows])))
+    outs = []
+    for number, (rows, sub) in enumerate(subs):
+        keep = local[logits_to_keep[owner[logits_to_keep] == number]]
+        sub_inputs = {name: value[:, rows] for name, value in inputs.items()}
+        outs.append((rows, ragged_forward(model, sub, keep, want_hidden, compiled=number == 0, **sub_inputs)))
+    first = outs[0][1].logits
+    logits = first.new_empty((1, len(logits_to_keep), first.shape[-1]))
+    for number, (_, out) in enumerate(outs):
+        logits[0, owner[logits_to_keep] == number] = out.logits[0].to(logits.dtype)
+    hidden = None
+    if want_hidden:
+        last = outs[0][1].hidden_states[-1]
+        hidden = last.new_empty((1, batch.rows, last.shape[-1]))
+        for rows, out in outs:
+            hidden[0, rows] = out.hidden_states[-1][0].to(hidden.dtype)
+        hidden = (hidden,)
+    return SimpleNamespace(logits=logits, hidden_states=hidden)
 
 
 _register()

@@ -22,6 +22,7 @@ import torch
 from specdec.core.errors import Unavailable
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
+from specdec.models.fused import fused_layers
 from specdec.models.kv_cache import SharedRoot, copy_cache, fork_cache, new_cache, shareable, shared_prefix
 from specdec.models.ragged import build_batch, compiled_attention_ok, ragged_forward, supports_ragged
 
@@ -534,6 +535,11 @@ class ModelRunner:
         if self._compiled_attention is None:
             self._compiled_attention = compiled_attention_ok(self.model)
         return self._compiled_attention and self._ragged_ok()
+
+    def fuses_layers(self) -> bool:
+        """Whether cached forwards of short segments run whole in the fused decoder layers
+        (`specdec.models.fused`): the compiled kernels, and a model they compute."""
+        return self._compiled_ok() and fused_layers(self.model) is not None
 
     @torch.inference_mode()
     def _ragged_step(self, items: list[StepItem]) -> list[LogitsResult]:

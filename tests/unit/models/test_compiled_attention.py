@@ -158,30 +158,36 @@ def test_a_cache_layer_reserves_then_extends_as_update_would():
     assert written.get_seq_length() == 50 and torch.equal(written.layers[0].keys, updated.layers[0].keys[:, :, :50])
 
 
-def test_the_tiny_models_attend_in_the_kernel_alone_and_batched(tiny_loaded, monkeypatch):
-    """The services' tiny pair (head size 8) takes the kernel, so the law tests through the real
-    services run it; a solo forward and a batched step both call it, for decode and Verify rows."""
+def test_the_tiny_models_run_the_compiled_kernels_alone_and_batched(tiny_loaded, monkeypatch):
+    """The services' tiny pair (head size 8) takes the kernels (the fused layers, whose attention is
+    this kernel), so the law tests through the real services run them; a solo forward and a
+    batched step both do, for decode and Verify rows, and a prompt does not."""
     from specdec.models import ragged
 
     runner = tiny_loaded["target"].runner
-    assert compiled_attention_ok(runner.model) and runner.on_model_thread(runner._compiled_ok)
+    assert compiled_attention_ok(runner.model) and runner.on_model_thread(runner.fuses_layers)
     calls = []
-    original = ragged._compiled_attention
-    monkeypatch.setattr(ragged, "_compiled_attention", lambda *a: calls.append(a[4].indices) or original(*a))
+    original = ragged.fused_forward
+
+    def spy(model, batch, *args, **kwargs):
+        calls.append(batch.compiled.indices)
+        return original(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ragged, "fused_forward", spy)
     from specdec.models.runner import StepItem
 
     prompt = [t % runner.vocab_size for t in range(1, COMPILED_MAX_ROWS + 5)]
     runner.on_model_thread(runner.last_logits, "kernel-a", prompt, 1)
-    assert not calls  # a prompt's rows go to SDPA
+    assert not calls  # a prompt's rows go to transformers' forward and SDPA
     runner.on_model_thread(runner.last_logits, "kernel-a", [*prompt, 3], 1)
-    assert calls and all(c == frozenset({0}) for c in calls)
+    assert calls == [frozenset({0})]
     calls.clear()
     other = prompt[::-1]  # no prefix in common: no fork reading a shared prefix (SDPA's cascade path)
     runner.on_model_thread(runner.last_logits, "kernel-b", other, 1)
     calls.clear()
     items = [StepItem("kernel-a", [*prompt, 3, 4, 5, 6], 4), StepItem("kernel-b", [*other, 2], 2)]
     runner.on_model_thread(runner.step, items)
-    assert calls and all(c == frozenset({0, 1}) for c in calls)
+    assert calls == [frozenset({0, 1})]
 
 
 def test_a_model_in_bfloat16_keeps_sdpa(tiny_model_dirs):

@@ -150,6 +150,7 @@ def test_auto_keeps_the_tuned_plans_or_panels_for_all_whichever_curve_is_faster(
     from specdec.models import calibration
 
     runner = ModelRunner(_tiny_llama(), SessionKVCache(4, 1000))
+    monkeypatch.setattr(runner, "fuses_layers", lambda: False)  # (a fusing model: the test below)
     timed: list[dict] = []  # per setup timed: each shape's layouts at 1..3 rows
 
     def plans_now():
@@ -172,6 +173,22 @@ def test_auto_keeps_the_tuned_plans_or_panels_for_all_whichever_curve_is_faster(
     assert costs.milliseconds() == ([11.0, 11.0, 13.0] if panels_faster else [10.0, 10.0, 10.0])
     for shape, group in planned_linears(runner.model).items():  # copies stay where the plan uses them
         assert all((m.weight_panels is not None) == (PANELS in expected[shape]) for m in group)
+
+
+def test_auto_puts_a_model_with_fused_layers_on_panels_for_all(monkeypatch):
+    """Its short forwards run the fused layers on the panels whatever the plans say: the curves of
+    two plans would time the same forwards, so none is compared, and the panels copies stay."""
+    from specdec.models import calibration, panels
+
+    if not panels.available():
+        pytest.skip("the compiled kernels are not built here")
+    runner = ModelRunner(_tiny_llama(), SessionKVCache(4, 1000))
+    monkeypatch.setattr(calibration, "compare_forward_costs", lambda *a: pytest.fail("curves compared"))
+    monkeypatch.setattr(calibration, "forward_costs", lambda runner, max_rows: (0.01,) * max_rows)
+    costs = plan_layouts(runner, "auto", 3)
+    assert set(costs.layouts.values()) == {(PANELS,) * 3} and runner.on_model_thread(runner.fuses_layers)
+    assert all(m.weight_panels is not None for group in planned_linears(runner.model).values() for m in group)
+    runner.close()
 
 
 def test_a_prompts_many_rows_go_to_mkl_even_on_a_panels_plan(monkeypatch):

@@ -1,0 +1,132 @@
+"""A whole cached forward of short segments in one compiled call (`kernels/layers.cpp`).
+
+A one-row decode of SmolLM2-135M spent ~7 of its 17.5 ms dispatching the ~45 small tensor ops of
+each decoder layer from Python. For a ragged batch whose segments are all short (decodes, Verify
+rows: what `ragged._compile_segments` marks for the compiled attention), the library runs every
+decoder layer at once: the panels products, its own norms, rotary embedding and SiLU, and the
+compiled attention, each row computed alone. Python keeps the embedding, the rotary tables, the
+final norm and the head.
+
+The rows of such segments take this path whenever the model has it (`fused_layers_ok`), alone or
+batched: a step that also carries a prompt (or a segment after a shared prefix) runs those in
+transformers' forward and the short segments here, so a row's bits never depend on its company.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from specdec.models import panels
+from specdec.models.cpu_layout import PlannedLinear
+
+# Architectures whose decoder layer is exactly what layers.cpp computes: pre-norm RMSNorm, q / k / v
+# (optionally biased) with rotate-half rotary embedding, full attention, a SiLU-gated MLP.
+_FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
+_LINEARS += (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_FORMS = {panels.Q4Panels: 1, panels.Q8Panels: 2}
+_CACHED = "_specdec_fused_layers"  # the model's FusedLayers, once built
+
+
+@dataclass(frozen=True)
+class FusedLayers:
+    """The addresses layers.cpp reads, and the tensors behind them (kept alive here)."""
+
+    table: torch.Tensor  # [layers, 2 + 7 * 6] int64: per layer the two norms, then each linear's Linear
+    keep: tuple  # every tensor the table points into
+    hidden: int
+    intermediate: int
+    eps: float
+
+
+def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
+    """(layers.cpp's Linear for this layer: form, three addresses, outputs, bias; the tensors used)."""
+    weights = linear.weight_panels
+    if isinstance(weights, panels.Q4Panels):
+        parts = [weights.nibbles, weights.scale, weights.offset]
+    elif isinstance(weights, panels.Q8Panels):
+        parts = [weights.levels, weights.scale]
+    else:
+        parts = [weights]
+    addresses = [p.data_ptr() for p in parts] + [0] * (3 - len(parts))
+    if linear.bias is not None:
+        parts.append(linear.bias.detach().to(torch.float32).contiguous())
+    bias = parts[-1].data_ptr() if linear.bias is not None else 0
+    return [_FORMS.get(type(weights), 0), *addresses, linear.out_features, bias], parts
+
+
+def _fusable(model) -> bool:
+    config = model.config
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if config.model_type not in _FUSED_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu" or not layers:
+        return False
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is None or getattr(attention, "q_norm", None) is not None:
+            return False
+        for parent, name in _LINEARS:
+            linear = getattr(getattr(layer, parent, None), name, None)
+            if not isinstance(linear, PlannedLinear) or linear.weight_panels is None:
+                return False
+    return hasattr(inner, "rotary_emb") and hasattr(inner, "norm") and hasattr(inner, "embed_tokens")
+
+
+def fused_layers(model) -> FusedLayers | None:
+    """The model's FusedLayers (built once, then cached on the model), or None when layers.cpp
+    cannot compute its decoder layers: not a Llama-shaped architecture, or a linear without panels
+    (looked at again each time: its linears may be planned later)."""
+    cached = getattr(model, _CACHED, None)
+    if cached is None and _fusable(model):
+        cached = _build(model)
+        setattr(model, _CACHED, cached)
+    return cached
+
+
+def _build(model) -> FusedLayers:
+    rows, keep = [], []
+    for layer in model.model.layers:
+        norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+        row = [n.data_ptr() for n in norms]
+        keep += norms
+        for parent, name in _LINEARS:
+            linear_row, parts = _linear_row(getattr(getattr(layer, parent), name))
+            row += linear_row
+            keep += parts
+        rows.append(row)
+    config = model.config
+    eps = float(model.model.layers[0].input_layernorm.variance_epsilon)
+    table = torch.tensor(rows, dtype=torch.int64)
+    return FusedLayers(table, tuple(keep), config.hidden_size, config.intermediate_size, eps)
+
+
+def fused_forward(model, batch, fused: FusedLayers, logits_to_keep: torch.Tensor, want_hidden: bool, **inputs):
+    """transformers' output for a batch whose segments are all compiled (`ragged._compile_segments`
+    reserved their caches): logits [1, K, V] at `logits_to_keep`, and with `want_hidden` the final
+    (normed) hidden states as `hidden_states[-1]` ([1, T, H])."""
+    inner = model.model
+    embeds = inputs.get("inputs_embeds")
+    if embeds is None:
+        embeds = inner.embed_tokens(inputs["input_ids"])
+    h = embeds[0].to(torch.float32).contiguous().clone()  # [T, H], updated in place
+    cos, sin = (t[0].to(torch.float32).contiguous() for t in inner.rotary_emb(embeds, batch.position_ids))  # [T, D]
+    compiled = batch.compiled
+    attention = inner.layers[0].self_attn
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = cos.shape[-1]
+    failed = compiled.lib.decoder_layers(
+        h.data_ptr(), h.shape[0], fused.hidden, fused.intermediate, fused.table.data_ptr(), fused.table.shape[0],
+        fused.eps, cos.data_ptr(), sin.data_ptr(), compiled.tables.data_ptr(), compiled.tables.shape[1], heads,
+        kv_heads, dim, ctypes.c_float(attention.scaling),
+    )
+    if failed:
+        raise MemoryError("the fused decoder layers could not allocate their scratch rows")
+    normed = inner.norm(h)  # [T, H]: every row, with or without want_hidden, for the same bits
+    logits = model.lm_head(normed[logits_to_keep]).unsqueeze(0)
+    return SimpleNamespace(logits=logits, hidden_states=(normed.unsqueeze(0),) if want_hidden else None)

@@ -1,0 +1,135 @@
+// Every decoder layer of a Llama-shaped model over the short segments of a ragged step (decode
+// and Verify rows) in ONE call: RMSNorm, the q / k / v products, rotary embedding, the ragged
+// attention (attention.cpp), the output product and residual, RMSNorm, gate / up, SiLU, down and
+// residual. Built with panels.cpp and attention.cpp into one library by specdec/models/panels.py;
+// called by specdec/models/fused.py.
+//
+// Why: a 17.5 ms one-row decode of SmolLM2-135M (2 threads) spent ~7 ms dispatching ~45 tensor ops
+// a layer from Python, more than its attention and half its products; here the ops between the
+// products are a few loops over a few rows.
+//
+// Each row is computed alone, in one order: the products by panels.cpp (a row's outputs do not
+// depend on the rows beside it), the norms' sums of squares in a fixed order over the row, the
+// rest element by element. So a row's result does not depend on the rows, segments or threads
+// beside it: a decode batched with others gives the bits it gives alone, and a Verify row the
+// bits of its own one-row decode.
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" void panels_product(const float* x, long M, long K, const float* panels, long N, float* y);
+extern "C" void panels_q4_product(const float* x, long M, long K, const unsigned char* nibbles, const float* scale,
+                                  const float* offset, long N, float* y);
+extern "C" void panels_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale,
+                                  long N, float* y);
+extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
+                                 const float* v, long v_token, long v_head, const long* table, long count, long heads,
+                                 long kv_heads, long dim, float scale, float* out);
+
+// One linear layer as fused.py describes it (6 int64): its panels' form (0 float32, 1 4-bit,
+// 2 8-bit blocks), up to three buffer addresses (float32: panels; 4-bit: nibbles, scales,
+// offsets; 8-bit: levels, scales), its output count and its bias's address (0: none).
+struct Linear {
+    long form, a, b, c, out, bias;
+};
+
+// One layer (2 + 7 x 6 int64): the two norms' weights, then q, k, v, o, gate, up, down.
+struct Layer {
+    long input_norm, post_norm;
+    Linear q, k, v, o, gate, up, down;
+};
+
+enum { F32 = 0, Q4 = 1, Q8 = 2 };
+
+static void product(const Linear& w, const float* x, long rows, long in, float* y) {
+    switch (w.form) {
+        case F32: panels_product(x, rows, in, (const float*)w.a, w.out, y); break;
+        case Q4:
+            panels_q4_product(x, rows, in, (const unsigned char*)w.a, (const float*)w.b, (const float*)w.c, w.out, y);
+            break;
+        case Q8: panels_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y); break;
+    }
+    if (w.bias)
+        for (long r = 0; r < rows; r++)
+            for (long n = 0; n < w.out; n++) y[r * w.out + n] += ((const float*)w.bias)[n];
+}
+
+// y = weight * x / sqrt(mean(x^2) + eps), row by row; the squares summed in 8 interleaved partial
+// sums (so the loop vectorises) combined in one fixed order.
+static void rms_norm(const float* x, long rows, long width, const float* weight, float eps, float* y) {
+    for (long r = 0; r < rows; r++) {
+        const float* row = x + r * width;
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        long i = 0;
+        for (; i + 8 <= width; i += 8)
+            for (int l = 0; l < 8; l++) part[l] += row[i + l] * row[i + l];
+        float sum = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+        for (; i < width; i++) sum += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(sum / (float)width + eps);
+        for (i = 0; i < width; i++) y[r * width + i] = weight[i] * (row[i] * inv);
+    }
+}
+
+// Rotary embedding in place, rotate-half form: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over
+// the two halves of each head; cos, sin: [rows, dim] (the model's rotary module's, scaling applied).
+static void rotate(float* x, long rows, long heads, long dim, const float* cos, const float* sin) {
+    const long half = dim / 2;
+    for (long r = 0; r < rows; r++)
+        for (long h = 0; h < heads; h++) {
+            float* head = x + (r * heads + h) * dim;
+            const float *c = cos + r * dim, *s = sin + r * dim;
+            for (long i = 0; i < half; i++) {
+                const float x1 = head[i], x2 = head[i + half];
+                head[i] = x1 * c[i] - x2 * s[i];
+                head[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+}
+
+// gate <- silu(gate) * up, element by element (split over the threads: each element is its own).
+static void silu_times(float* gate, const float* up, long count) {
+#pragma omp parallel for schedule(static) if (count >= 16384)
+    for (long i = 0; i < count; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static void add(float* into, const float* from, long count) {
+    for (long i = 0; i < count; i++) into[i] += from[i];
+}
+
+// h: the residual stream [rows, hidden], updated in place through `count_layers` layers; layers:
+// count_layers Layers; cos, sin: [rows, dim]; tables: [count_layers][segments][6], each layer's
+// ragged_attention table (its cache buffers reserved for the new rows). Returns 0, or -1 when a
+// scratch buffer could not be allocated (h is then unchanged or partly updated: discard it).
+extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, const long* layers, long count_layers,
+                              float eps, const float* cos, const float* sin, const long* tables, long segments,
+                              long heads, long kv_heads, long dim, float scale) {
+    const long q_width = heads * dim, kv_width = kv_heads * dim;
+    long widest = inter > q_width ? inter : q_width;  // gate and up also hold [rows, hidden] products
+    widest = widest > hidden ? widest : hidden;
+    float* scratch = (float*)malloc(sizeof(float) * rows * (hidden + q_width + 2 * kv_width + q_width + 2 * widest));
+    if (scratch == nullptr) return -1;
+    float *normed = scratch, *q = normed + rows * hidden, *k = q + rows * q_width, *v = k + rows * kv_width;
+    float *attended = v + rows * kv_width, *gate = attended + rows * q_width, *up = gate + rows * widest;
+    for (long l = 0; l < count_layers; l++) {
+        const Layer& w = ((const Layer*)layers)[l];
+        rms_norm(h, rows, hidden, (const float*)w.input_norm, eps, normed);
+        product(w.q, normed, rows, hidden, q);
+        product(w.k, normed, rows, hidden, k);
+        product(w.v, normed, rows, hidden, v);
+        rotate(q, rows, heads, dim, cos, sin);
+        rotate(k, rows, kv_heads, dim, cos, sin);
+        ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * 6, segments,
+                         heads, kv_heads, dim, scale, attended);
+        product(w.o, attended, rows, q_width, gate);  // (gate as scratch: [rows, hidden] fits)
+        add(h, gate, rows * hidden);
+        rms_norm(h, rows, hidden, (const float*)w.post_norm, eps, normed);
+        product(w.gate, normed, rows, hidden, gate);
+        product(w.up, normed, rows, hidden, up);
+        silu_times(gate, up, rows * inter);
+        product(w.down, gate, rows, inter, up);  // (up as scratch: [rows, hidden] fits)
+        add(h, up, rows * hidden);
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,127 @@
+"""The fused decoder layers (kernels/layers.cpp, fused.py): transformers' logits and hidden states
+for decode and Verify rows, from float32, 4-bit and 8-bit panels, with and without biases; each
+row's bits independent of its company (batched, beside a prompt, a Verify row against its decode);
+and the models the kernel cannot compute left to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import panels
+from specdec.models.calibration import plan_layouts
+from specdec.models.fused import fused_layers
+from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
+
+pytestmark = pytest.mark.skipif(not panels.available(), reason="the compiled kernels are not built here")
+
+
+def _runner(model) -> ModelRunner:
+    runner = ModelRunner(model.eval(), SessionKVCache(16, 100_000))
+    plan_layouts(runner, "panels", 0)  # every linear on the panels, as a calibrated service has them
+    return runner
+
+
+def _reference(model, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, V], final hidden states [T, H]) of transformers' own forward, no cache."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([token_ids]), output_hidden_states=True)
+    return out.logits[0], out.hidden_states[-1][0]
+
+
+def _quantize(weight: torch.Tensor, bits: int, gen: torch.Generator) -> None:
+    """Make `weight` exactly GGUF-style blocks of 32 inputs: 8-bit d * q, or 4-bit d * q + m."""
+    n, k = weight.shape
+    top = 15 if bits == 4 else 127
+    q = torch.randint(0 if bits == 4 else -top, top + 1, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = (0 if bits == 4 else -top), top  # each block reaches both ends
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 0.01).half().float()
+    m = (torch.rand(n, k // 32, 1, generator=gen) * -0.1).half().float() if bits == 4 else 0.0
+    weight.copy_((q * d + m).reshape(n, k))
+
+
+@pytest.fixture(scope="module")
+def qwen2_blocks():
+    """A tiny Qwen2 (biased q / k / v) whose attention products are 4-bit and MLP 8-bit blocks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                _quantize(linear.weight, 4, gen)
+                linear.bias.normal_(0, 0.5, generator=gen)
+            _quantize(layer.self_attn.o_proj.weight, 4, gen)
+            for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                _quantize(linear.weight, 8, gen)
+            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=gen)
+    runner = _runner(model)
+    yield runner
+    runner.close()
+
+
+def test_decode_and_verify_rows_are_transformers_logits(tiny_loaded):
+    runner = tiny_loaded["target"].runner
+    assert runner.on_model_thread(runner.fuses_layers)
+    tokens = [(3 * t + 1) % runner.vocab_size for t in range(29)]
+    runner.on_model_thread(runner.last_logits, "fused-ref", tokens[:24], 1)
+    decode = runner.on_model_thread(runner.last_logits, "fused-ref", tokens[:25], 1)
+    verify = runner.on_model_thread(runner.last_logits, "fused-ref", tokens, 4, hidden_from=25)
+    logits, hidden = _reference(runner.model, tokens)
+    torch.testing.assert_close(decode.logits[0], logits[24], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(verify.logits, logits[-4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(verify.hidden, hidden[25:], rtol=1e-5, atol=1e-5)
+    runner.on_model_thread(runner.cache.drop, "fused-ref")
+
+
+def test_four_and_eight_bit_panels_and_biases_give_transformers_logits(qwen2_blocks):
+    runner = qwen2_blocks
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj.weight_panels, panels.Q4Panels)
+    assert isinstance(layer.mlp.down_proj.weight_panels, panels.Q8Panels)
+    assert runner.on_model_thread(runner.fuses_layers)
+    tokens = [(7 * t + 2) % runner.vocab_size for t in range(40)]
+    runner.on_model_thread(runner.last_logits, "blocks", tokens[:34], 1)
+    verify = runner.on_model_thread(runner.last_logits, "blocks", tokens, 6)
+    torch.testing.assert_close(verify.logits, _reference(runner.model, tokens)[0][-6:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_bits_do_not_depend_on_its_company(qwen2_blocks):
+    """Batched with others, beside a prompt, or as a Verify row: the bits of the row alone."""
+    runner = qwen2_blocks
+    vocab = runner.vocab_size
+    a, b, c = ([(m * t + s) % vocab for t in range(30)] for m, s in ((3, 1), (5, 2), (11, 4)))
+    for session, tokens in (("a", a), ("b", b)):
+        runner.on_model_thread(runner.last_logits, session, tokens, 1)
+    alone_a = runner.on_model_thread(runner.last_logits, "a", [*a, 3, 4, 5], 3)
+    alone_b = runner.on_model_thread(runner.last_logits, "b", [*b, 6], 1)
+    decode = runner.on_model_thread(runner.last_logits, "a", [*a, 3, 4], 1)  # the Verify's second row
+    assert torch.equal(alone_a.logits[1], decode.logits[0])
+    batched = runner.on_model_thread(runner.step, [StepItem("a", [*a, 3, 4, 5], 3), StepItem("b", [*b, 6], 1)])
+    assert torch.equal(batched[0].logits, alone_a.logits) and torch.equal(batched[1].logits, alone_b.logits)
+    beside = runner.on_model_thread(runner.step, [StepItem("b", [*b, 6], 1), StepItem("c", c, 1)])
+    assert torch.equal(beside[0].logits, alone_b.logits)
+    prompt = _reference(runner.model, c)[0][-1]
+    torch.testing.assert_close(beside[1].logits[0], prompt, rtol=1e-5, atol=1e-5)
+
+
+def test_models_the_kernel_cannot_compute_keep_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    qk_norms = Qwen3ForCausalLM(Qwen3Config(**shape, num_key_value_heads=2, head_dim=8))
+    gelu = LlamaForCausalLM(LlamaConfig(**shape, hidden_act="gelu"))
+    plain = LlamaForCausalLM(LlamaConfig(**shape))  # nn.Linear, no panels
+    for model in (qk_norms, gelu):
+        runner = _runner(model)
+        try:
+            assert fused_layers(model) is None and not runner.on_model_thread(runner.fuses_layers)
+        finally:
+            runner.close()
+    assert fused_layers(plain) is None
