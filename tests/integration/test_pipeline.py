@@ -111,7 +111,8 @@ def test_each_service_runs_its_model_on_one_thread(coordinator_stub, tiny_loaded
     # its runner's single model thread, whichever gRPC thread took the call.
     seen: dict[str, set[str]] = {"draft": set(), "target": set()}
     hooks = [
-        tiny_loaded[role].runner.model.register_forward_pre_hook(
+        # (The head runs in every forward, transformers' or the fused layers'.)
+        tiny_loaded[role].runner.model.lm_head.register_forward_pre_hook(
             lambda module, args, role=role: seen[role].add(threading.current_thread().name)
         )
         for role in seen
