@@ -7,9 +7,10 @@ decoder layer at once: the panels products, its own norms, rotary embedding and 
 compiled attention, each row computed alone. Python keeps the embedding, the rotary tables, the
 final norm and the head.
 
-The rows of such segments take this path whenever the model has it (`fused_layers_ok`), alone or
-batched: a step that also carries a prompt (or a segment after a shared prefix) runs those in
-transformers' forward and the short segments here, so a row's bits never depend on its company.
+The rows of such segments take this path whenever the model has them (`fused_layers`), alone or
+batched, after a shared prefix or not (the attention reads a prefix's buffer, then the session's
+own): a step that also carries a prompt runs it in transformers' forward and the short segments
+here, so a row's bits never depend on its company.
 """
 
 from __future__ import annotations

@@ -36,8 +36,10 @@ from specdec.models.kv_cache import shareable, shared_prefix
 RAGGED_ATTENTION = "specdec_ragged"
 # Segments of at most this many new rows attend in the compiled kernel; longer ones (prompts) in
 # SDPA's flash kernel, whose blocked products win there. A function of the segment alone, so a
-# session's rows take the same kernel batched or alone.
-COMPILED_MAX_ROWS = 16
+# session's rows take the same kernel batched or alone. 17: a Verify at the coordinator's largest
+# default K (16) and its bonus row (on SmolLM2 here a 17-row Verify took 66 ms through
+# transformers' forward against 38 ms for 16 rows fused).
+COMPILED_MAX_ROWS = 17
 
 # Model types whose attention is `cache.update` + the shared attention interface on full-attention
 # layers (no sliding windows, position biases or soft caps): what ragged_attention reproduces.
@@ -59,8 +61,9 @@ class CompiledSegments:
     """The segments the compiled kernel attends, their caches' buffers reserved for their new rows."""
 
     indices: frozenset[int]  # into RaggedBatch.segments
-    # [layers, len(indices), 6] int64, per segment: first row, rows, past, key buffer address, value
-    # buffer address, buffer capacity (the kernel's Segment).
+    # [layers, len(indices), 10] int64, per segment: first row, rows, past, its own key and value
+    # buffers' addresses and capacity, a shared prefix's key and value addresses, capacity and
+    # length (zeros without one): the kernel's Segment.
     tables: torch.Tensor
     lib: ctypes.CDLL
 
@@ -186,8 +189,8 @@ def _head_dim(config) -> int:
 
 
 def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
-    """The batch with its short segments (`COMPILED_MAX_ROWS`, no shared prefix) marked for the
-    compiled kernel, each of their cache layers' buffers reserved for the new rows."""
+    """The batch with its short segments (`COMPILED_MAX_ROWS`) marked for the compiled kernel, each
+    of their cache layers' own buffers reserved for the new rows."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=torch.float32)
     indices, columns = [], []
@@ -197,16 +200,35 @@ def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
         rows = seg.end - seg.start
         past = seg.kv.get_seq_length()
         indices.append(index)
-        columns.append([(seg.start, rows, past, *layer.reserve(rows, like)) for layer in seg.kv.layers])
+        columns.append(
+            [(seg.start, rows, past, *layer.reserve(rows, like), *_prefix_columns(layer)) for layer in seg.kv.layers]
+        )
     if not indices:
         return batch
-    tables = torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous()  # [layers, segments, 6]
+    tables = torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous()  # [layers, segments, 10]
     return replace(batch, compiled=CompiledSegments(frozenset(indices), tables, panels.kernel_library()))
 
 
+def _prefix_columns(layer) -> tuple[int, int, int, int] | None:
+    """(key address, value address, capacity, length) of the shared prefix a cache layer reads, as
+    the kernel reads it ([kv heads][capacity][dim], positions contiguous); zeros without one; None
+    when its keys/values are not laid out so."""
+    keys, values = layer.prefix_keys, layer.prefix_values
+    if keys is None:
+        return 0, 0, 0, 0
+    dim = keys.shape[-1]
+    laid_out = all(t.shape[0] == 1 and t.stride(-1) == 1 and t.stride(-2) == dim for t in (keys, values))
+    if not laid_out or keys.stride(1) != values.stride(1) or keys.stride(1) % dim:
+        return None
+    return keys.data_ptr(), values.data_ptr(), keys.stride(1) // dim, keys.shape[-2]
+
+
 def _compilable(seg: Segment) -> bool:
-    """Whether the compiled kernels take this segment: a few rows, no shared prefix."""
-    return seg.end - seg.start <= COMPILED_MAX_ROWS and shareable(seg.kv) and shared_prefix(seg.kv)[0] is None
+    """Whether the compiled kernels take this segment: a few rows, its cache's layers all reserving
+    buffers, a shared prefix (if any) laid out as the kernel reads it."""
+    if seg.end - seg.start > COMPILED_MAX_ROWS or not shareable(seg.kv):
+        return False
+    return shared_prefix(seg.kv)[0] is None or all(_prefix_columns(layer) is not None for layer in seg.kv.layers)
 
 
 def _settle_compiled(batch: RaggedBatch) -> None:

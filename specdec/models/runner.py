@@ -38,11 +38,12 @@ def _mark_model_thread() -> None:
 # leading tokens (a system prompt); fresh items of one step sharing as many compute them once.
 MIN_SHARED_PREFIX = 16
 # A shared prefix at least this long is stored once and read by all its sessions (on a CPU, with
-# ragged attention: `kv_cache.fork_cache`); a shorter one is copied into each. Reading a prefix
-# costs each layer one more attention call and a merge, and saves reading the prefix once per
-# session in a step (SmolLM2-135M, 400 cached tokens of which 350 shared, against 400 private:
-# a decode alone 34.4 vs 32.7 ms, a step of 8 / 16 decodes 51 / 67 vs 57 / 73 ms), so a short
-# prefix, whose copy is small, is not worth a slower step for a session alone.
+# ragged attention: `kv_cache.fork_cache`); a shorter one is copied into each. Decode and Verify
+# rows read a prefix in the compiled attention kernel at no extra cost (the same arithmetic over
+# two buffers); segments too long for it (a prompt's rest) and hosts without the kernel pay one
+# more attention call a layer and a merge (cascade attention; SmolLM2-135M before the kernel read
+# prefixes, 400 cached tokens of which 350 shared: a decode alone 34.4 vs 32.7 ms private), so a
+# short prefix, whose copy is small, stays copied.
 MIN_STORED_ONCE = 256
 
 

@@ -6,7 +6,9 @@
 // than the attention did: 8 decodes of 400 cached tokens spent 23.6 of a 48 ms step (SmolLM2-135M,
 // 2 threads) in 240 small SDPA calls. Here one call per layer appends every segment's new
 // keys/values to its cache buffer and attends every (segment, key/value head) pair, the query
-// heads that share a key/value head together, so each key and value is read once for them.
+// heads that share a key/value head together, so each key and value is read once for them. A
+// session forked from another (`kv_cache.fork_cache`) reads the shared prefix's buffer for its
+// first positions and its own for the rest, in the same order and arithmetic as one buffer.
 //
 // Each (row, head) is computed by one thread, in one order: its scores q . k_j over positions
 // 0 .. past + i (causal; row i of the segment is position past + i), exp(s - max) (a vector exp),
@@ -121,13 +123,26 @@ template <class V> static inline V exp_neg(V x) {
     return p * (V)two_n;
 }
 
-struct Segment {  // as ragged.py lays out its int64 table, one row per segment
+struct Segment {  // as ragged.py lays out its int64 table, one row per segment (SEGMENT_COLUMNS longs)
     long start;   // its first row in the batch
     long rows;    // its new rows (positions past .. past + rows - 1)
-    long past;    // positions its cache held before this step
-    long keys;    // address of its key buffer, [kv heads][capacity][dim] float32
-    long values;  // likewise
+    long past;    // positions its cache held before this step, a shared prefix's included
+    long keys;    // address of its own key buffer, [kv heads][capacity][dim] float32: the positions
+    long values;  // after the prefix; values likewise
     long capacity;
+    long prefix_keys;  // a shared prefix's keys (positions 0 .. prefix_len - 1), [kv heads][prefix_capacity][dim],
+    long prefix_values;  // read only; values likewise; all four 0 without one
+    long prefix_capacity;
+    long prefix_len;
+};
+
+// Where a head's keys (or values) of each position lie: a shared prefix's buffer, then its own.
+struct Span {
+    const float* prefix;
+    long prefix_len;
+    const float* own;
+    long dim;
+    const float* at(long j) const { return j < prefix_len ? prefix + j * dim : own + (j - prefix_len) * dim; }
 };
 
 struct Row {         // one query row of one head
@@ -166,7 +181,7 @@ static void softmax_weights(const Row* rows, long last, float* scores, long stri
 // ROWS rows against one key/value head: their scores over positions 0 .. last - 1 (last: the most
 // any of them sees) into scores[r * stride + j], then weights, then their outputs.
 template <class V, int VECS, int ROWS>
-static void attend_rows(const Row* rows, const float* keys, const float* values, float scale, float* scores,
+static void attend_rows(const Row* rows, const Span& keys, const Span& values, float scale, float* scores,
                         long stride) {
     const int W = Lanes<V>::width;
     const long dim = VECS * W;
@@ -179,8 +194,9 @@ static void attend_rows(const Row* rows, const float* keys, const float* values,
         V dots[ROWS][W];
         for (int slot = 0; slot < W; slot++) {
             const long j = j0 + Lanes<V>::bitrev()[slot];
-            const float* key = keys + (j < last ? j : last - 1) * dim;  // past the end: a copy, unused
-            for (long b = 0; b < dim; b += 16) __builtin_prefetch(keys + (j0 + AHEAD + slot) * dim + b, 0, 3);
+            const float* key = keys.at(j < last ? j : last - 1);  // past the end: a copy, unused
+            const float* ahead = keys.at(j0 + AHEAD + slot);
+            for (long b = 0; b < dim; b += 16) __builtin_prefetch(ahead + b, 0, 3);
             V k[VECS];
             for (int l = 0; l < VECS; l++) k[l] = load<V>(key + l * W);
             for (int r = 0; r < ROWS; r++) {
@@ -201,8 +217,9 @@ static void attend_rows(const Row* rows, const float* keys, const float* values,
     V acc[ROWS][VECS] = {};
     for (long j = 0; j < last; j++) {
         V value[VECS];
-        for (long b = 0; b < dim; b += 16) __builtin_prefetch(values + (j + AHEAD) * dim + b, 0, 3);
-        for (int l = 0; l < VECS; l++) value[l] = load<V>(values + j * dim + l * W);
+        const float *at = values.at(j), *ahead = values.at(j + AHEAD);
+        for (long b = 0; b < dim; b += 16) __builtin_prefetch(ahead + b, 0, 3);
+        for (int l = 0; l < VECS; l++) value[l] = load<V>(at + l * W);
         for (int r = 0; r < ROWS; r++) {
             const float w = scores[r * stride + j];
             for (int l = 0; l < VECS; l++) acc[r][l] += w * value[l];
@@ -221,8 +238,10 @@ template <class V, int VECS>
 static void attend_head(const Segment& seg, long kv_head, long group, const float* q, long q_token, long q_head,
                         float* out, long out_token, float scale, float* scores, long stride) {
     const long dim = VECS * Lanes<V>::width;
-    const float* keys = (const float*)seg.keys + kv_head * seg.capacity * dim;
-    const float* values = (const float*)seg.values + kv_head * seg.capacity * dim;
+    const long own = kv_head * seg.capacity * dim, prefix = kv_head * seg.prefix_capacity * dim;
+    const Span keys = {(const float*)seg.prefix_keys + prefix, seg.prefix_len, (const float*)seg.keys + own, dim};
+    const Span values = {(const float*)seg.prefix_values + prefix, seg.prefix_len, (const float*)seg.values + own,
+                         dim};
     constexpr int chunk = MAX_ACC / VECS < 1 ? 1 : (MAX_ACC / VECS > MAX_ROWS ? MAX_ROWS : MAX_ACC / VECS);
     const long count = seg.rows * group;
     for (long first = 0; first < count; first += chunk) {
@@ -274,7 +293,7 @@ static void append(const Segment& seg, const float* k, long k_token, long k_head
     float* values = (float*)seg.values;
     for (long h = 0; h < kv_heads; h++)
         for (long r = 0; r < seg.rows; r++) {
-            const long at = (h * seg.capacity + seg.past + r) * dim;
+            const long at = (h * seg.capacity + seg.past - seg.prefix_len + r) * dim;
             memcpy(keys + at, k + (seg.start + r) * k_token + h * k_head, dim * sizeof(float));
             memcpy(values + at, v + (seg.start + r) * v_token + h * v_head, dim * sizeof(float));
         }
@@ -285,7 +304,7 @@ extern "C" int ragged_attention_supports(long dim) { return head_for(dim) != nul
 
 // q: this step's query rows, row t head h at q + t * q_token + h * q_head (head_dim floats, stride
 // 1); k, v: its new key/value rows likewise, kv_heads of them; segments: `count` Segments, whose
-// buffers have room for past + rows positions. Appends each segment's new keys/values to its
+// own buffers have room for past - prefix_len + rows positions. Appends each segment's new keys/values to its
 // buffers, then writes out [rows][heads][dim] (contiguous) for every segment's rows; rows of the
 // batch outside the segments are left as they are.
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,

@@ -23,6 +23,7 @@ extern "C" void panels_q4_product(const float* x, long M, long K, const unsigned
                                   const float* offset, long N, float* y);
 extern "C" void panels_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale,
                                   long N, float* y);
+#define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
                                  long kv_heads, long dim, float scale, float* out);
@@ -98,7 +99,7 @@ static void add(float* into, const float* from, long count) {
 }
 
 // h: the residual stream [rows, hidden], updated in place through `count_layers` layers; layers:
-// count_layers Layers; cos, sin: [rows, dim]; tables: [count_layers][segments][6], each layer's
+// count_layers Layers; cos, sin: [rows, dim]; tables: [count_layers][segments][SEGMENT_COLUMNS], each layer's
 // ragged_attention table (its cache buffers reserved for the new rows). Returns 0, or -1 when a
 // scratch buffer could not be allocated (h is then unchanged or partly updated: discard it).
 extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, const long* layers, long count_layers,
@@ -119,8 +120,8 @@ extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, cons
         product(w.v, normed, rows, hidden, v);
         rotate(q, rows, heads, dim, cos, sin);
         rotate(k, rows, kv_heads, dim, cos, sin);
-        ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * 6, segments,
-                         heads, kv_heads, dim, scale, attended);
+        ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * SEGMENT_COLUMNS,
+                         segments, heads, kv_heads, dim, scale, attended);
         product(w.o, attended, rows, q_width, gate);  // (gate as scratch: [rows, hidden] fits)
         add(h, gate, rows * hidden);
         rms_norm(h, rows, hidden, (const float*)w.post_norm, eps, normed);

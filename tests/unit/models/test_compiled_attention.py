@@ -29,11 +29,26 @@ class Heads:
         return keys, values
 
 
-def _attend(lib, query, key, value, segments, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+def _attend(lib, query, key, value, segments, heads: int, kv_heads: int, dim: int, prefixes=None) -> torch.Tensor:
     """The kernel over one layer: query [1, Hq, T, D], key/value [1, Hkv, T, D]; segments: (start,
-    rows, past, key buffer, value buffer) each. Returns [1, T, Hq, D]."""
+    rows, past, key buffer, value buffer) each; prefixes: per segment None or the (keys, values)
+    [1, Hkv, P, D] of a shared prefix it reads first (past counts them; its buffers hold the rest).
+    Returns [1, T, Hq, D]."""
+
+    def prefix_columns(prefix):
+        if prefix is None:
+            return [0, 0, 0, 0]
+        keys, values = prefix
+        assert keys.stride(1) == values.stride(1) and keys.stride(2) == dim and keys.stride(3) == 1
+        return [keys.data_ptr(), values.data_ptr(), keys.stride(1) // dim, keys.shape[2]]
+
+    prefixes = prefixes or [None] * len(segments)
     table = torch.tensor(
-        [[s, n, p, kb.data_ptr(), vb.data_ptr(), kb.shape[2]] for s, n, p, kb, vb in segments], dtype=torch.int64
+        [
+            [s, n, p, kb.data_ptr(), vb.data_ptr(), kb.shape[2], *prefix_columns(prefix)]
+            for (s, n, p, kb, vb), prefix in zip(segments, prefixes, strict=True)
+        ],
+        dtype=torch.int64,
     )
     out = torch.full((1, query.shape[2], heads, dim), float("nan"))
     lib.ragged_attention(
@@ -136,6 +151,32 @@ def test_a_rows_bits_do_not_depend_on_the_rows_segments_or_threads_beside_it(lib
             torch.set_num_threads(threads)
 
 
+def test_a_segment_after_a_shared_prefix_reads_it_as_one_buffer(libs):
+    """A forked session (`kv_cache.fork_cache`) reads its first positions from the shared prefix's
+    buffer, whose heads lie its root's length apart, and the rest from its own: the bits of the
+    same positions in one buffer, its new rows appended to its own buffer after the prefix."""
+    h = Heads(9, 3, 64, seed=2)
+    query, key, value, segments = _step(h, [(300, 1), (30, 5), (41, 3)])
+    together = [(s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in segments]
+    shares = (0, 30, 40)  # positions each segment's prefix holds: none, all it has cached, most of it
+    for lib in libs:
+        fresh = [(s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in together]
+        whole = _attend(lib, query, key, value, fresh, 9, 3, 64)
+        split, prefixes = [], []
+        for (start, n, past, kb, vb), share in zip(together, shares, strict=True):
+            root_k, root_v = (torch.randn(1, 3, share + 7, 64) for _ in range(2))  # a root holding 7 more
+            root_k[:, :, :share], root_v[:, :, :share] = kb[:, :, :share], vb[:, :, :share]
+            own_k, own_v = torch.zeros_like(kb), torch.zeros_like(vb)
+            own_k[:, :, : past - share], own_v[:, :, : past - share] = kb[:, :, share:past], vb[:, :, share:past]
+            split.append((start, n, past, own_k, own_v))
+            prefixes.append((root_k[:, :, :share], root_v[:, :, :share]) if share else None)
+        got = _attend(lib, query, key, value, split, 9, 3, 64, prefixes)
+        assert torch.equal(got, whole)
+        for (start, n, past, own_k, own_v), share in zip(split, shares, strict=True):
+            assert torch.equal(own_k[:, :, past - share : past - share + n], key[:, :, start : start + n])
+            assert torch.equal(own_v[:, :, past - share : past - share + n], value[:, :, start : start + n])
+
+
 def test_a_cache_layer_reserves_then_extends_as_update_would():
     from transformers import LlamaConfig
 
@@ -197,7 +238,7 @@ def test_a_model_in_bfloat16_keeps_sdpa(tiny_model_dirs):
     assert not compiled_attention_ok(model)
 
 
-def test_segments_past_the_row_limit_or_after_a_shared_prefix_keep_sdpa(tiny_loaded):
+def test_segments_past_the_row_limit_keep_sdpa_and_after_a_shared_prefix_take_the_kernel(tiny_loaded):
     from specdec.models.kv_cache import SharedRoot, fork_cache
     from specdec.models.ragged import _compile_segments
 
@@ -209,7 +250,7 @@ def test_segments_past_the_row_limit_or_after_a_shared_prefix_keep_sdpa(tiny_loa
     assert isinstance(forked.layers[0].prefix_root, SharedRoot)
     lengths = [COMPILED_MAX_ROWS + 1, COMPILED_MAX_ROWS, 2]
     batch = build_batch([new_cache(config), new_cache(config), forked], lengths, torch.device("cpu"))
-    assert _compile_segments(batch, config).compiled.indices == frozenset({1})
+    assert _compile_segments(batch, config).compiled.indices == frozenset({1, 2})
 
 
 def test_without_the_compiled_library_steps_attend_in_sdpa_with_the_same_laws(tiny_loaded, monkeypatch):
@@ -224,12 +265,15 @@ def test_without_the_compiled_library_steps_attend_in_sdpa_with_the_same_laws(ti
         assert not compiled_attention_ok(plain.model) and not plain.on_model_thread(plain._compiled_ok)
         prompt = [t % plain.vocab_size for t in range(3, 30)]
         items = [StepItem("fallback-a", [*prompt, 1, 2], 2), StepItem("fallback-b", prompt[::-1] + [4], 1)]
-        for runner in (plain, served):
+
+        def prefill_then_step(runner):
             for item in items:
-                runner.on_model_thread(runner.last_logits, item.session_id, item.token_ids[:-item.num_last], 1)
-        got = plain.on_model_thread(plain.step, items)
-        monkeypatch.undo()
-        expected = served.on_model_thread(served.step, items)
+                runner.on_model_thread(runner.last_logits, item.session_id, item.token_ids[: -item.num_last], 1)
+            return runner.on_model_thread(runner.step, items)
+
+        got = prefill_then_step(plain)
+        monkeypatch.undo()  # the served runner's rows may take the kernels from here on
+        expected = prefill_then_step(served)
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g.logits, e.logits, rtol=1e-5, atol=1e-5)
     finally:

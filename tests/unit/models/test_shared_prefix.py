@@ -83,20 +83,34 @@ def weight_major(tiny_loaded):
         plan.default, plan.by_rows = kept[key]
 
 
-def test_the_prefix_is_read_right_whatever_the_layout_of_the_query(weight_major, stored_once):
+def test_the_prefix_is_read_right_whatever_the_layout_of_the_query(weight_major, stored_once, monkeypatch):
     """The flash kernel cascade attention calls takes its inputs' strides on trust: a query whose
     last dimension is strided was misread (here 1.2e-3 off; on SmolLM2's 8-decode steps up to
-    1.2x the largest |logit|)."""
+    1.2x the largest |logit|). Cascade attention serves segments after a prefix too long for the
+    compiled kernel (`COMPILED_MAX_ROWS`): the rest of a prompt under a cached one."""
+    from specdec.models import ragged
+
+    cascades = []
+    original = ragged._after_prefix
+
+    def spy(module, query, segments, scale):
+        cascades.append(len(segments))
+        return original(module, query, segments, scale)
+
+    monkeypatch.setattr(ragged, "_after_prefix", spy)
     runner, alone = _runner(weight_major), _runner(weight_major)
     runner.last_logits("first", [*PROMPT, 1, 2, 3], 1)
     sessions = ["second", "third", "fourth"]
-    # Decodes (one row each, where a reshape keeps the strided view) beside a verify, then alone.
-    items = [StepItem("second", [*PROMPT, 4], 1), StepItem("third", [*PROMPT, 5], 1), StepItem("fourth", [*PROMPT, 6, 2], 2)]
+    tail = [6, 2] * 9  # past the compiled kernel's rows
+    assert len(tail) > ragged.COMPILED_MAX_ROWS
+    # Prompts' rest after the cached prefix (rows through a reshape that keeps the strided view), then decodes.
+    items = [StepItem("second", [*PROMPT, *tail], 2), StepItem("third", [*PROMPT, 5, *tail], 1)]
+    items.append(StepItem("fourth", [*PROMPT, 4], 1))
     for _ in range(2):
         for got, item in zip(runner.step(items), items, strict=True):
             _same_as_alone(got, alone, item.token_ids, item.num_last)
         items = [StepItem(s, [*runner.cache.token_ids(s), 7], 1) for s in sessions]
-    assert len(_roots(runner, ["first", *sessions])) == 1
+    assert cascades and len(_roots(runner, ["first", *sessions])) == 1
 
 
 def test_a_session_under_a_cached_prompt_reads_it_and_the_source_still_matches(tiny_loaded, stored_once):
@@ -142,6 +156,44 @@ def test_evicting_readers_frees_the_prefix_and_the_others_keep_reading_it(tiny_l
     runner.cache.drop("s/1")
     runner.cache.drop("s/2")
     assert runner.cache.total_tokens == 4  # no reader left: the prefix is no longer counted
+
+
+def test_a_forked_sessions_short_rows_run_fused_with_the_bits_of_a_private_copy(
+    tiny_loaded, stored_once, monkeypatch
+):
+    """Decode and Verify rows after a shared prefix take the fused layers (the compiled attention
+    reads the prefix's buffer, then the session's own), and give exactly what the same session
+    gives in a cache of its own: a fork changes where keys live, never a row's bits."""
+    from specdec.models import ragged
+
+    model = tiny_loaded["target"].runner.model
+    shared, private = _runner(model), _runner(model)
+    fused = []
+    original = ragged.fused_forward
+
+    def spy(m, batch, *args, **kwargs):
+        fused.append(batch)
+        return original(m, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ragged, "fused_forward", spy)
+    for runner in (shared, private):
+        runner.last_logits("first", [*PROMPT, 1, 2, 3], 1)
+    monkeypatch.setattr(runner_module, "MIN_STORED_ONCE", 10_000)  # the private runner copies prefixes
+    private.last_logits("second", [*PROMPT, 4, 4], 2)
+    monkeypatch.setattr(runner_module, "MIN_STORED_ONCE", 16)
+    fused.clear()
+    shared.last_logits("second", [*PROMPT, 4, 4], 2)
+    assert len(_roots(shared, ["first", "second"])) == 1 and shared_prefix(private.cache.peek("second").kv)[1] == 0
+    assert len(fused) == 1  # the fork's two new rows ran fused
+    for tokens, last in (([5], 1), ([6, 7, 1], 3), ([2], 1)):  # a decode, a Verify, a decode after it
+        second = [*shared.cache.token_ids("second"), *tokens]
+        items = [StepItem("second", second, last), StepItem("first", [*PROMPT, 1, 2, 3, 4], 1)]
+        fused.clear()
+        got = shared.step(items)
+        assert len(fused) == 1 and fused[0].compiled.indices == frozenset({0, 1})
+        want = [private.last_logits(item.session_id, item.token_ids, item.num_last) for item in items]
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.logits, w.logits)
 
 
 def test_short_prefixes_are_copied_and_other_devices_paths_never_share(tiny_loaded):
