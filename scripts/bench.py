@@ -33,8 +33,15 @@ ratios over many conversations (`--per-workload`, `--repeats`) are fair, one con
 noisy. `--ignore-eos` equalises lengths but measures text past the end of turn, which no user is
 served and where drafts do not behave as before it (docs/drafts.md). A multi-turn conversation
 continues its session in the grpc mode; in process (no sessions) each later turn sends the whole
-history as token ids, the same context the session would hold, and its prefix is computed again
-(no KV cache kept across calls).
+history as token ids, the same context the session would hold, and the target's cache of the
+previous turn serves its prefix, as the session's would.
+Prompts (`--prompt-cache`): a model service's KV cache serves any new request whose prompt opens as
+a cached one does (a shared system prompt, `kv_cache.fork_cache`), so a conversation's first K
+would otherwise compute the prompt and every later K read it: on a 600-token prompt half of a
+64-token call's time. `cold` (in process, the default) empties both models' caches before every
+call: each K computes its prompt, as a new request does. `warm` computes the first turn's prompt
+just before every call, untimed (a cached document or system prompt; the ratios then weigh decoding
+alone); the grpc mode always primes so, as it cannot empty the services' caches.
 In process, a drafter with state across sessions (a `reset()` method: suffix, hybrid) is reset
 before every conversation, so no config is drafted from another config's answer to the same
 prompt; the grpc mode cannot reset the draft service, so its suffix rows include that reuse.
@@ -138,6 +145,14 @@ class GrpcRunner:
         self.client.delete_session(session)  # outside the timing: Redis stays small
         return calls
 
+    def forget_prompts(self) -> None:
+        pass  # the services' caches are theirs: only priming (`prime`) makes every K start alike
+
+    def prime(self, conversation: Conversation) -> None:
+        """The first turn's prompt computed once, untimed, so every K's call reads it from the cache."""
+        response = self.client.generate(conversation.prompt, chat=True, max_new_tokens=1, num_speculative_tokens=0)
+        self.client.delete_session(response.session_id)
+
 
 class InProcessRunner:
     """Conversations on an InProcessPipeline. It has no sessions, so a later turn sends the history
@@ -159,6 +174,14 @@ class InProcessRunner:
         drafter = getattr(getattr(self.pipeline, "draft", None), "drafter", None)
         if callable(reset := getattr(drafter, "reset", None)):
             reset()
+
+    def forget_prompts(self) -> None:
+        """Both models' KV caches emptied: the next call computes its prompt, whatever ran before."""
+        self.pipeline.clear_caches()
+
+    def prime(self, conversation: Conversation) -> None:
+        """The first turn's prompt computed once, untimed, so the next call reads it from the cache."""
+        self.pipeline.generate(conversation.prompt, chat=True, max_new_tokens=1, num_speculative_tokens=0)
 
     def generate(self, prompt, chat: bool = False, **kwargs):
         return self.pipeline.generate(prompt, chat=chat, **kwargs)
@@ -197,6 +220,9 @@ class HfGenerateRunner(InProcessRunner):
 
     def forget_draft_state(self) -> None:
         pass
+
+    def prime(self, conversation: Conversation) -> None:
+        pass  # `generate` computes every prompt: --prompt-cache warm refuses this mode
 
     def generate(self, prompt, chat: bool = False, **kwargs) -> coordinator_pb2.GenerateResponse:
         """The engine's response message, in its terms: one round (one forward) per token."""
@@ -372,6 +398,7 @@ class Plan:
     seed: int = 0
     repeats: int = 1
     ignore_eos: bool = False
+    prompt_cache: str = "cold"  # PROMPT_CACHE: whether each call's prompt is cached before it
     totals: dict = field(default_factory=dict)  # (drafter, mode, workload, temperature, k) -> Tally
 
 
@@ -412,6 +439,9 @@ def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
                     for mode, runner in runners.items():
                         if mode == HF_MODE and k != 0:  # it has no K: one run beside each K = 0
                             continue
+                        runner.forget_prompts()
+                        if plan.prompt_cache == "warm" or isinstance(runner, GrpcRunner):
+                            runner.prime(conv)
                         stolen = hostinfo.steal_seconds()
                         calls = runner.run(conv, **kwargs)
                         stolen = hostinfo.steal_seconds() - stolen if stolen is not None else 0.0
@@ -732,6 +762,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--prompt-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="cold: in process, every call computes its prompt (a new request); warm: each call's first prompt "
+        "is computed just before it, untimed (a cached system prompt or document); the grpc mode is always warm",
+    )
     p.add_argument("--background-load", type=int, default=0, metavar="N", help="N busy CPU processes during the run")
     p.add_argument("--background-kind", default="spin", choices=sorted(BUSY_CODE))
     p.add_argument(
@@ -764,7 +801,11 @@ def build_plan(args: argparse.Namespace, parser_error) -> tuple[Plan, list[Draft
             conversations = workloads.build_workloads(names, args.per_workload, args.max_chars)
     except ValueError as exc:  # PromptFileError included
         parser_error(str(exc))
-    plan = Plan(conversations, ks, temps, args.max_new_tokens, args.seed, args.repeats, args.ignore_eos)
+    if args.prompt_cache == "warm" and HF_MODE in modes:
+        parser_error(f"--prompt-cache warm: {HF_MODE} computes every prompt, so its ratios would not compare")
+    plan = Plan(
+        conversations, ks, temps, args.max_new_tokens, args.seed, args.repeats, args.ignore_eos, args.prompt_cache
+    )
     return plan, drafters, modes
 
 
@@ -795,6 +836,7 @@ def run_info(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], mode
         "temperatures": plan.temperatures,
         "max_new_tokens": plan.max_new_tokens,
         "ignore_eos": plan.ignore_eos,
+        "prompt_cache": plan.prompt_cache,
         "repeats": plan.repeats,
         "conversations": len(plan.conversations),
         "prompts": args.prompts,
@@ -824,7 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     info = objects[0]
     print(
         f"\n{info['conversations']} conversations x {plan.repeats}, up to {plan.max_new_tokens} tokens per turn, "
-        f"chat template, target {args.target}, {hostinfo.summary(info)}, background load {args.background_load}"
+        f"chat template, prompts {plan.prompt_cache}, target {args.target}, {hostinfo.summary(info)}, "
+        f"background load {args.background_load}"
     )
     print(format_table(result))
     return 0

@@ -97,6 +97,12 @@ class InProcessPipeline:
                 scheduler_for(runner).close("the in-process pipeline is closed")
                 runner.close()
 
+    def clear_caches(self) -> None:
+        """Empty both models' KV caches: the next request computes its whole prompt (benchmarks)."""
+        for part in (self.target, self.draft):
+            if part is not None and part.runner is not None:
+                part.runner.on_model_thread(part.runner.cache.clear)
+
     def __enter__(self) -> Self:
         return self
 

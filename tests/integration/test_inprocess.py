@@ -38,6 +38,24 @@ def test_in_process_streams_chunks_that_add_up_to_the_text(pipeline):
     assert "".join(c.text for c in chunks) == whole.completions[0].text
 
 
+def test_clearing_the_caches_makes_the_next_request_compute_its_prompt(pipeline):
+    """What `scripts/bench.py --prompt-cache cold` relies on: a request whose prompt opens as a cached
+    one reads it (the target's cache keeps each request's entry) unless the caches were emptied."""
+    target, draft = pipeline.target.runner, pipeline.draft.runner
+    kwargs = dict(max_new_tokens=4, temperature=0.0, seed=1, num_speculative_tokens=2, ignore_eos=True)
+    prompt = [(3 * i + 1) % 8 for i in range(20)]
+    pipeline.generate(prompt, **kwargs)
+    assert len(target.cache) and len(draft.cache)
+    hits = target.cache.hits
+    pipeline.generate(prompt, **kwargs)
+    assert target.cache.hits > hits
+    pipeline.clear_caches()
+    assert not len(target.cache) and not len(draft.cache) and target.cache.total_tokens == 0
+    hits = target.cache.hits
+    first = target.on_model_thread(target.last_logits, "probe", prompt, 1)
+    assert first.cached_tokens == 0 and target.cache.hits == hits
+
+
 def test_in_process_refuses_a_session(pipeline):
     with pytest.raises(InvalidArgument, match="sessions"):
         pipeline.generate("a b", session_id="abc")
