@@ -47,6 +47,7 @@ from specdec.core.errors import AtCapacity, Unavailable
 from specdec.core.protocols import NO_DEADLINE, Deadline
 from specdec.core.tokens import common_prefix_length
 from specdec.models.runner import LogitsResult, StepItem
+from specdec.models.threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -455,8 +456,9 @@ class StepScheduler:
                 task.chunk = None  # the prompt's part is cached now; the item runs on from there
             else:
                 by_call.setdefault(task.call, []).append((task, result))
-        for call, done in by_call.items():
-            self._deliver(call, done)
+        with one_thread():  # each delivery wakes a caller on another core (`threads.one_thread`)
+            for call, done in by_call.items():
+                self._deliver(call, done)
         self._compact()
         self._step_ended = time.monotonic()  # the served sessions are away from now
 

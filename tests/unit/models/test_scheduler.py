@@ -375,3 +375,20 @@ def test_every_result_of_a_step_says_what_the_whole_step_carried_and_cost():
     items = [StepItem("a", [1, 2, 3], 1), StepItem("b", [1, 2, 3, 4, 5], 3)]
     results = runner.submit(step_items, runner, items).result()
     assert [(r.step_sequences, r.step_rows) for r in results] == [(2, 1 + 3)] * 2
+
+
+def test_a_steps_laws_are_prepared_on_one_thread_and_the_forwards_keep_theirs():
+    """Delivering a step wakes its callers on the other cores; the laws' small ops run on the model
+    thread alone meanwhile (`threads.one_thread`), and the next forward gets its threads back."""
+    runner = FakeRunner()
+    s = scheduler(runner)
+    runner.submit(torch.set_num_threads, 2).result()
+    during = []
+
+    def laws(results):
+        during.append(torch.get_num_threads())
+        return results
+
+    join = call_in_thread(s, [("", counting_task([1], 2))], NO_DEADLINE, laws)
+    assert join() == ([[1, 1, 2]], None)
+    assert during == [1, 1] and runner.submit(torch.get_num_threads).result() == 2
