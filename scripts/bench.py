@@ -398,7 +398,7 @@ class Plan:
     seed: int = 0
     repeats: int = 1
     ignore_eos: bool = False
-    prompt_cache: str = "cold"  # PROMPT_CACHE: whether each call's prompt is cached before it
+    prompt_cache: str = "cold"  # --prompt-cache: "warm" computes each call's prompt just before it
     totals: dict = field(default_factory=dict)  # (drafter, mode, workload, temperature, k) -> Tally
 
 

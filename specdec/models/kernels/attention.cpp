@@ -304,9 +304,9 @@ extern "C" int ragged_attention_supports(long dim) { return head_for(dim) != nul
 
 // q: this step's query rows, row t head h at q + t * q_token + h * q_head (head_dim floats, stride
 // 1); k, v: its new key/value rows likewise, kv_heads of them; segments: `count` Segments, whose
-// own buffers have room for past - prefix_len + rows positions. Appends each segment's new keys/values to its
-// buffers, then writes out [rows][heads][dim] (contiguous) for every segment's rows; rows of the
-// batch outside the segments are left as they are.
+// own buffers have room for past - prefix_len + rows positions. Appends each segment's new
+// keys/values to its own buffers, then writes out [rows][heads][dim] (contiguous) for every
+// segment's rows; rows of the batch outside the segments are left as they are.
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
                                  long kv_heads, long dim, float scale, float* out) {
