@@ -17,7 +17,7 @@ from specdec.core.sampling import Sampling, normalize, sample_token
 from specdec.models.draft_artifact import fed_hidden
 from specdec.models.runner import LogitsResult, ModelRunner, StepItem
 from specdec.models.scheduler import SessionTask, Task, run_tasks, scheduler_for
-from specdec.models.warping import to_wire, warp_logits
+from specdec.models.warping import wire_laws
 
 
 def _uniforms(seed: int, count: int) -> np.ndarray:
@@ -64,7 +64,7 @@ def draft_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple[
     """A call's post-processing of one step: every sequence's logits warped at once."""
 
     def prepare(results: list[LogitsResult]) -> list[tuple[np.ndarray, LogitsResult]]:
-        probs = to_wire(warp_logits(torch.cat([r.logits for r in results]), sampling))  # [n, V]
+        probs = wire_laws(torch.cat([r.logits for r in results]), sampling)  # [n, V]
         return [(probs[i], r) for i, r in enumerate(results)]
 
     return prepare

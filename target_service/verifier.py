@@ -17,7 +17,7 @@ from specdec.core.protocols import NO_DEADLINE, Deadline, VerifyRequest, VerifyR
 from specdec.core.sampling import Sampling
 from specdec.models.runner import LogitsResult, ModelRunner, StepItem
 from specdec.models.scheduler import SessionTask, Task, run_tasks, scheduler_for
-from specdec.models.warping import to_wire, warp_logits
+from specdec.models.warping import wire_laws
 
 
 def verify_task(request: VerifyRequest) -> Task:
@@ -37,7 +37,7 @@ def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple
     """A call's post-processing of one step: every sequence's logits warped at once."""
 
     def prepare(results: list[LogitsResult]) -> list[tuple[np.ndarray, LogitsResult]]:
-        probs = to_wire(warp_logits(torch.cat([r.logits for r in results]), sampling))  # [sum(K+1), V]
+        probs = wire_laws(torch.cat([r.logits for r in results]), sampling)  # [sum(K+1), V]
         bounds = np.cumsum([0, *(r.logits.shape[0] for r in results)])
         return [(probs[bounds[i] : bounds[i + 1]], r) for i, r in enumerate(results)]
 

@@ -77,6 +77,19 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def wire_laws(logits: torch.Tensor, sampling: Sampling) -> np.ndarray:
+    """`to_wire(warp_logits(logits, sampling))`: the laws as the services send them, [N, V] float32.
+    Greedy laws are built in float32 directly, the same values (one-hot: 1.0 and 0.0 are exact in
+    both), without a float64 array per row (a 5-row Verify's laws at T = 0, one thread: 0.68 ->
+    0.42 ms)."""
+    if not sampling.greedy:
+        return to_wire(warp_logits(logits, sampling))
+    _check_finite(logits)
+    probs = np.zeros(tuple(logits.shape), dtype=np.float32)
+    probs[np.arange(logits.shape[0]), logits.argmax(dim=-1).numpy()] = 1.0
+    return probs
+
+
 def to_wire(probs: torch.Tensor | np.ndarray) -> np.ndarray:
     """[N, V] law -> float32 array as sent between services."""
     if isinstance(probs, torch.Tensor):

@@ -20,7 +20,7 @@ from specdec.core.sampling import (
     sample_token,
     speculative_round,
 )
-from specdec.models.warping import warp_logits
+from specdec.models.warping import to_wire, warp_logits, wire_laws
 
 
 def test_seed_article_example_exactly():
@@ -196,6 +196,23 @@ def test_greedy_takes_the_first_argmax_in_any_dtype(dtype):
     probs = warp_logits(logits, Sampling(0.0))
     assert probs.dtype == torch.float64
     np.testing.assert_array_equal(probs.numpy(), [[0, 1, 0, 0], [1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(0.0), Sampling(1.0), Sampling(0.7, top_k=3), Sampling(1.0, top_p=0.8)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_laws_as_sent_are_the_warped_laws_bit_for_bit(sampling, dtype):
+    """`wire_laws` (what both services send) builds greedy laws in float32 directly: the same bits."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1  # a tie: the first index wins
+    sent = wire_laws(logits, sampling)
+    assert sent.dtype == np.float32 and sent.flags.c_contiguous
+    np.testing.assert_array_equal(sent, to_wire(warp_logits(logits, sampling)))
+    with pytest.raises(NonFiniteLogitsError, match="NaN or"):
+        wire_laws(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), sampling)
+    with pytest.raises(NonFiniteLogitsError, match="all -inf"):
+        wire_laws(torch.tensor([[0.0, 1.0], [-float("inf"), -float("inf")]]), sampling)
 
 
 def test_nucleus_fast_path_equals_full_sort():
