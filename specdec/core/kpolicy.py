@@ -39,7 +39,7 @@ class RoundOutcome:
 
     k: int  # the K chosen for the round
     draft_s: float  # seconds of the Propose call (0 when nothing was drafted)
-    verify_s: float  # seconds of the Verify call
+    verify_s: float  # seconds of the Verify call and the round's accept/reject work on its laws
     rows: int  # rows verified: the longest draft of the round + 1
     drafts: Sequence[tuple[int, int]]  # per sample: (tokens drafted, tokens accepted)
     others: int = 0  # other requests' sequences in the Verify's batched forward

@@ -391,3 +391,28 @@ def test_a_verify_reports_its_step_to_the_k_policy_with_this_requests_rows_apart
     assert _step_share(requests, results) == (7, 20, 5)
     alone = [VerifyResult(laws, 3), VerifyResult(laws[:2], 3)]  # a target that reports no step
     assert _step_share(requests, alone) == (0, 0, 0)
+
+
+def test_the_k_policy_prices_a_verify_with_the_accept_reject_work_on_its_laws(monkeypatch):
+    """Auto K weighs what a round's rows cost: the Verify call and the work on its laws, which grows
+    with the drafted rows too; the stats keep reporting the call alone."""
+    from specdec.core import engine as engine_module
+
+    seen = []
+
+    class Spy(engine_module.AdaptiveK):
+        def observe(self, outcome):
+            seen.append(outcome)
+            super().observe(outcome)
+
+    real = engine_module.speculative_round
+
+    def slow(*args):
+        time.sleep(0.02)
+        return real(*args)
+
+    monkeypatch.setattr(engine_module, "AdaptiveK", Spy)
+    monkeypatch.setattr(engine_module, "speculative_round", slow)
+    _, stats, _ = _run(PointMassDrafter(lambda r: [1] * r.num_draft_tokens), FakeVerifier(_uniform_target), auto_k=True)
+    assert seen and all(outcome.verify_s >= 0.02 for outcome in seen)
+    assert stats.verify_time_s < 0.01 * len(seen)
