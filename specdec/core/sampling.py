@@ -62,6 +62,18 @@ def sample_token(probs: np.ndarray, uniform: float) -> int:
     return min(index, probs.shape[-1] - 1)
 
 
+def draw(weights: np.ndarray, uniform: float) -> int:
+    """sample_token(normalize(weights), uniform). weights: [V] non-negative, not all zero.
+
+    A point mass (a greedy law) gives its one token whatever the uniform, as the inverse CDF does
+    (every other token's interval is empty), without the float64 passes over the vocabulary
+    (49,152 tokens: 0.29 -> 0.03 ms a draw, every K = 0 round at T = 0).
+    """
+    if np.count_nonzero(weights) == 1:
+        return int(np.argmax(weights))
+    return sample_token(normalize(weights), uniform)
+
+
 # ---------------------------------------------------------------- the round
 
 
@@ -149,7 +161,7 @@ def speculative_round(
             accepted.append(token)
             continue
         return RoundResult(accepted, sample_token(recovered_probs(q, p), rng.random()), None)
-    bonus = sample_token(normalize(target_probs[num_draft]), rng.random())
+    bonus = draw(target_probs[num_draft], rng.random())
     return RoundResult(accepted, None, bonus)
 
 

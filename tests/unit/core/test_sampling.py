@@ -13,6 +13,7 @@ from specdec.core.sampling import (
     acceptance_probs,
     acceptance_rate,
     derive_seed,
+    draw,
     normalize,
     output_law,
     recovered_probs,
@@ -102,6 +103,25 @@ def test_sample_token_never_draws_zero_probability_tokens():
     probs = normalize(np.array([0.0, 0.3, 0.0, 0.7, 0.0]))
     for u in [0.0, 1e-300, 0.3 - 1e-17, 0.3, 0.3 + 1e-17, 0.999999999999, np.nextafter(1.0, 0.0)]:
         assert sample_token(probs, u) in (1, 3)
+
+
+def test_a_draw_is_the_inverse_cdf_draw_of_the_normalised_weights():
+    """`draw` skips the float64 passes for a point mass (a greedy law): the token the inverse CDF
+    gives for any uniform. Dense weights go the long way: the same token for the same uniform."""
+    rng = np.random.default_rng(4)
+    uniforms = [0.0, 1e-12, 0.3, 0.5, 0.999999, float(np.nextafter(1.0, 0.0))]
+    for token in (0, 5, 4095):
+        for scale in (1.0, 0.25, 3.0):  # a law, or weights normalize would scale
+            one_hot = np.zeros(4096, np.float32)
+            one_hot[token] = scale
+            for u in uniforms:
+                assert draw(one_hot, u) == sample_token(normalize(one_hot), u) == token
+    for _ in range(50):
+        weights = rng.random(4096).astype(np.float32) * (rng.random(4096) < 0.01)  # sparse, a few tokens
+        weights[rng.integers(4096)] += 0.5
+        for u in [*uniforms, *rng.random(5)]:
+            token = draw(weights, u)
+            assert token == sample_token(normalize(weights), u) and weights[token] > 0
 
 
 def test_round_emits_between_one_and_k_plus_one_tokens():
