@@ -145,11 +145,9 @@ class GrpcRunner:
         self.client.delete_session(session)  # outside the timing: Redis stays small
         return calls
 
-    def forget_prompts(self) -> None:
-        pass  # the services' caches are theirs: only priming (`prime`) makes every K start alike
-
-    def prime(self, conversation: Conversation) -> None:
-        """The first turn's prompt computed once, untimed, so every K's call reads it from the cache."""
+    def start_alike(self, conversation: Conversation, warm: bool) -> None:
+        """Before a timed call: the first turn's prompt computed once, untimed, so every K's call
+        reads it from the target's cache (warm or not: the services' caches cannot be emptied)."""
         response = self.client.generate(conversation.prompt, chat=True, max_new_tokens=1, num_speculative_tokens=0)
         self.client.delete_session(response.session_id)
 
@@ -175,13 +173,12 @@ class InProcessRunner:
         if callable(reset := getattr(drafter, "reset", None)):
             reset()
 
-    def forget_prompts(self) -> None:
-        """Both models' KV caches emptied: the next call computes its prompt, whatever ran before."""
+    def start_alike(self, conversation: Conversation, warm: bool) -> None:
+        """Before a timed call: both models' KV caches emptied, whatever ran before; `warm`: then the
+        first turn's prompt computed once, untimed, so the call reads it from the cache."""
         self.pipeline.clear_caches()
-
-    def prime(self, conversation: Conversation) -> None:
-        """The first turn's prompt computed once, untimed, so the next call reads it from the cache."""
-        self.pipeline.generate(conversation.prompt, chat=True, max_new_tokens=1, num_speculative_tokens=0)
+        if warm:
+            self.pipeline.generate(conversation.prompt, chat=True, max_new_tokens=1, num_speculative_tokens=0)
 
     def generate(self, prompt, chat: bool = False, **kwargs):
         return self.pipeline.generate(prompt, chat=chat, **kwargs)
@@ -221,8 +218,8 @@ class HfGenerateRunner(InProcessRunner):
     def forget_draft_state(self) -> None:
         pass
 
-    def prime(self, conversation: Conversation) -> None:
-        pass  # `generate` computes every prompt: --prompt-cache warm refuses this mode
+    def start_alike(self, conversation: Conversation, warm: bool) -> None:
+        pass  # `generate` computes every prompt (--prompt-cache warm refuses this mode)
 
     def generate(self, prompt, chat: bool = False, **kwargs) -> coordinator_pb2.GenerateResponse:
         """The engine's response message, in its terms: one round (one forward) per token."""
@@ -439,9 +436,7 @@ def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
                     for mode, runner in runners.items():
                         if mode == HF_MODE and k != 0:  # it has no K: one run beside each K = 0
                             continue
-                        runner.forget_prompts()
-                        if plan.prompt_cache == "warm" or isinstance(runner, GrpcRunner):
-                            runner.prime(conv)
+                        runner.start_alike(conv, warm=plan.prompt_cache == "warm")
                         stolen = hostinfo.steal_seconds()
                         calls = runner.run(conv, **kwargs)
                         stolen = hostinfo.steal_seconds() - stolen if stolen is not None else 0.0

@@ -227,23 +227,6 @@ def test_in_process_runs_reset_a_drafter_with_state_across_sessions():
     bench.InProcessRunner(SimpleNamespace(draft=None, generate=pipeline.generate)).run(Conversation("w", "c", "x"))
 
 
-class _Recording:
-    """A runner that records what the bench asks of it."""
-
-    def __init__(self, events: list, name: str):
-        self.events, self.name = events, name
-
-    def forget_prompts(self):
-        self.events.append((self.name, "forget"))
-
-    def prime(self, conversation):
-        self.events.append((self.name, "prime"))
-
-    def run(self, conversation, **kwargs):
-        self.events.append((self.name, "run"))
-        stats = SimpleNamespace(generated_tokens=1, drafted_tokens=0, accepted_tokens=0)
-        return [bench.Call(stats, 0.01)]
-
 
 @pytest.mark.parametrize("cache", ["cold", "warm"])
 def test_every_timed_call_starts_from_the_same_prompt_cache(cache, monkeypatch):
@@ -252,20 +235,22 @@ def test_every_timed_call_starts_from_the_same_prompt_cache(cache, monkeypatch):
     from workloads import Conversation
 
     events = []
+    stats = SimpleNamespace(generated_tokens=1, drafted_tokens=0, accepted_tokens=0)
+    response = SimpleNamespace(stats=stats, completions=[SimpleNamespace(token_ids=[1])], session_id="s")
+
+    def recorded(name):
+        return lambda prompt, **kwargs: events.append((name, kwargs["max_new_tokens"])) or response
+
+    pipeline = SimpleNamespace(draft=None, clear_caches=lambda: events.append(("local", "clear")))
+    pipeline.generate = recorded("local")
+    client = SimpleNamespace(generate=recorded("grpc"), delete_session=lambda session: None)
     monkeypatch.setattr(bench, "warm_up", lambda runners, plan: None)
     monkeypatch.setattr(bench.Tally, "add", lambda self, calls, stolen: None)
-    grpc = bench.GrpcRunner.__new__(bench.GrpcRunner)
-    monkeypatch.setattr(bench.GrpcRunner, "forget_prompts", lambda self: events.append(("grpc", "forget")))
-    monkeypatch.setattr(bench.GrpcRunner, "prime", lambda self, conv: events.append(("grpc", "prime")))
-    monkeypatch.setattr(bench.GrpcRunner, "run", _Recording.run)
-    grpc.events, grpc.name = events, "grpc"
-    runners = {"in-process": _Recording(events, "local"), "grpc": grpc}
+    runners = {"in-process": bench.InProcessRunner(pipeline), "grpc": bench.GrpcRunner(client)}
     plan = bench.Plan([Conversation("w", "a", "hello")], [0, 2], [0.0], 4, prompt_cache=cache)
     bench.bench_drafter("ngram", runners, plan)
-    local = ["forget", "prime", "run"] if cache == "warm" else ["forget", "run"]
-    per_k = [("local", e) for e in local] + [("grpc", e) for e in ("forget", "prime", "run")]
-    assert events == per_k * 2
-
+    local = [("local", "clear"), *([("local", 1)] if cache == "warm" else []), ("local", 4)]
+    assert events == (local + [("grpc", 1), ("grpc", 4)]) * 2  # the prompt untimed (1 token), then the call
 
 def test_warm_prompts_refuse_the_hf_generate_mode():
     with pytest.raises(SystemExit, match="computes every prompt"):
