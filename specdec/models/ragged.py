@@ -188,18 +188,18 @@ def _head_dim(config) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
-def _compile_segments(batch: RaggedBatch, config) -> RaggedBatch:
-    """The batch with its short segments (`COMPILED_MAX_ROWS`) marked for the compiled kernel, each
-    of their cache layers' own buffers reserved for the new rows."""
+def _compile_segments(batch: RaggedBatch, config, indices: list[int] | None = None) -> RaggedBatch:
+    """The batch with its short segments (`_compilable`; `indices` when the caller has them)
+    marked for the compiled kernel, each of their cache layers' own buffers reserved for the new rows."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=torch.float32)
-    indices, columns = [], []
-    for index, seg in enumerate(batch.segments):
-        if not _compilable(seg):
-            continue
+    if indices is None:
+        indices = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
+    columns = []
+    for index in indices:
+        seg = batch.segments[index]
         rows = seg.end - seg.start
         past = seg.kv.get_seq_length()
-        indices.append(index)
         columns.append(
             [(seg.start, rows, past, *layer.reserve(rows, like), *_prefix_columns(layer)) for layer in seg.kv.layers]
         )
@@ -342,7 +342,7 @@ def ragged_forward(
     if fused is not None:
         short = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
         if len(short) == len(batch.segments):
-            batch = _compile_segments(batch, model.config)
+            batch = _compile_segments(batch, model.config, short)
             out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, **inputs)
             _settle_compiled(batch)
             return out
@@ -365,8 +365,8 @@ def ragged_forward(
 
 
 def _split_forward(model, batch: RaggedBatch, short: list[int], logits_to_keep, want_hidden: bool, **inputs):
-    """A batch of short segments and others (prompts, segments after a shared prefix): the short
-    ones in the fused layers, the others in transformers' forward, as each would run alone."""
+    """A batch of short segments and others (prompts, a prompt's rest after a shared prefix): the
+    short ones in the fused layers, the others in transformers' forward, as each would run alone."""
     parts = [short, [i for i in range(len(batch.segments)) if i not in set(short)]]
     owner = torch.empty(batch.rows, dtype=torch.long)  # row -> its part
     local = torch.empty(batch.rows, dtype=torch.long)  # row -> its row within the part
