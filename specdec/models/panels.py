@@ -49,9 +49,20 @@ BLOCK = 32  # inputs per quantization block (GGUF's Q4_1 and Q8_0)
 # 140 / 145, 256 263 / 253, 512 545 / 470; from the 4- and 8-bit copies 16 rows 31 / 58, 64 75 /
 # 97, 128 140 / 136, 256 287 / 250.
 MAX_ROWS = 128
-# One library: the products here, the attention of ragged steps (kernels/attention.cpp, ragged.py)
-# and whole decoder layers over their short segments (kernels/layers.cpp, fused.py).
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("panels.cpp", "attention.cpp", "layers.cpp"))
+# From this many rows a compact (4- or 8-bit) copy's product runs on AMX tiles where the CPU has
+# them (kernels/amx.cpp, `amx_product`): one more than the fused layers' largest step
+# (ragged.COMPILED_MAX_ROWS), so decodes and Verifies keep this kernel's bits and prompts, which
+# MKL computed before in other float32 bits anyway, take the tiles. SmolLM2's compact linears at
+# 300 rows on an AMX Xeon, MKL from float32 against AMX (ms): 576 -> 1536 1.66 / 0.81, 1536 -> 576
+# 1.63 / 0.98, 576 -> 576 0.58 / 0.42; at 18 rows both beat this kernel's float32 FMAs.
+AMX_MIN_ROWS = 18
+# What kernels/amx.cpp runs (its tiles, bfloat16 conversions, AVX-512) as /proc/cpuinfo names it.
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+# One library: the products here (and on AMX tiles, kernels/amx.cpp), the attention of ragged steps
+# (kernels/attention.cpp, ragged.py) and whole decoder layers (kernels/layers.cpp, fused.py).
+SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name for name in ("panels.cpp", "amx.cpp", "attention.cpp", "layers.cpp")
+)
 PREBUILT_DIR = SOURCES[0].parent
 # x86-64 micro-architecture levels and the /proc/cpuinfo flags each needs (the ones its code uses).
 # Built with these flags and -march=<level>; no exceptions or RTTI, so it needs no C++ runtime.
@@ -176,6 +187,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layers.argtypes = [ptr, size, size, size, ptr, size, ctypes.c_float, ptr, ptr, ptr, size, size, size]
     lib.decoder_layers.argtypes += [size, ctypes.c_float]
     lib.decoder_layers.restype = ctypes.c_int
+    lib.amx_request.argtypes = []
+    lib.amx_request.restype = ctypes.c_int
+    lib.amx_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
+    lib.amx_q4_product.restype = ctypes.c_int
+    lib.amx_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr]
+    lib.amx_q8_product.restype = ctypes.c_int
     return lib
 
 
@@ -323,6 +340,47 @@ def product(
     else:
         lib.panels_product(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())
     return y
+
+
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether `amx_product` runs here: the CPU has AMX tiles (and the AVX-512 parts amx.cpp uses),
+    the kernels loaded, Linux granted the tiles' state, and SPECDEC_AMX is not "off"."""
+    if os.environ.get("SPECDEC_AMX", "auto").lower() in ("off", "0", "false"):
+        return False
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        return False
+    if not AMX_FLAGS <= _cpu_flags():
+        return False
+    lib = kernel_library()
+    if lib is None or not lib.amx_request():
+        return False
+    log.info("compact weights' products of %d rows or more run on AMX tiles", AMX_MIN_ROWS)
+    return True
+
+
+def amx_product(x: torch.Tensor, panels: Q4Panels | Q8Panels, out_features: int) -> torch.Tensor | None:
+    """x [M, K] float32 @ W^T on AMX tiles from W's compact copy (`amx_available` must be true):
+    float32 sums of exact products, not `product`'s bits (kernels/amx.cpp). None when the kernel
+    could not allocate its buffers (then `product` serves)."""
+    if not amx_available():  # (it also asks Linux for the tiles: without that, their first use is SIGILL)
+        raise RuntimeError("AMX tiles are unavailable here (amx_available)")
+    lib = kernel_library()
+    count, k, width = panels.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features:
+        raise ValueError(f"AMX product of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if isinstance(panels, Q4Panels):
+        done = lib.amx_q4_product(
+            x.data_ptr(), x.shape[0], k, panels.nibbles.data_ptr(), panels.scale.data_ptr(),
+            panels.offset.data_ptr(), out_features, y.data_ptr(),
+        )
+    else:
+        done = lib.amx_q8_product(
+            x.data_ptr(), x.shape[0], k, panels.levels.data_ptr(), panels.scale.data_ptr(), out_features, y.data_ptr()
+        )
+    return y if done == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
