@@ -9,8 +9,11 @@ final norm and the head.
 
 The rows of such segments take this path whenever the model has them (`fused_layers`), alone or
 batched, after a shared prefix or not (the attention reads a prefix's buffer, then the session's
-own): a step that also carries a prompt runs it in transformers' forward and the short segments
-here, so a row's bits never depend on its company.
+own): a step that also carries a prompt runs the prompt apart from the short segments, so a row's
+bits never depend on its company. Prompts run here too where every linear is a 4- or 8-bit copy
+and the CPU has AMX tiles (`tiles`: their products on the tiles, kernels/amx.cpp), else in
+transformers' forward: a 300-token prompt of the packaged target spent ~130 of its 380 ms in that
+forward's ~40 tensor ops a layer and SDPA, beside its products.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class FusedLayers:
     hidden: int
     intermediate: int
     eps: float
+    compact: bool  # every linear a 4- or 8-bit copy: what the AMX tiles take (prompts, `tiles`)
 
 
 def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
@@ -89,26 +93,30 @@ def fused_layers(model) -> FusedLayers | None:
 
 
 def _build(model) -> FusedLayers:
-    rows, keep = [], []
+    rows, keep, compact = [], [], True
     for layer in model.model.layers:
         norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         row = [n.data_ptr() for n in norms]
         keep += norms
         for parent, name in _LINEARS:
             linear_row, parts = _linear_row(getattr(getattr(layer, parent), name))
+            compact = compact and linear_row[0] != 0
             row += linear_row
             keep += parts
         rows.append(row)
     config = model.config
     eps = float(model.model.layers[0].input_layernorm.variance_epsilon)
     table = torch.tensor(rows, dtype=torch.int64)
-    return FusedLayers(table, tuple(keep), config.hidden_size, config.intermediate_size, eps)
+    return FusedLayers(table, tuple(keep), config.hidden_size, config.intermediate_size, eps, compact)
 
 
-def fused_forward(model, batch, fused: FusedLayers, logits_to_keep: torch.Tensor, want_hidden: bool, **inputs):
+def fused_forward(
+    model, batch, fused: FusedLayers, logits_to_keep: torch.Tensor, want_hidden: bool, tiles: bool = False, **inputs
+):
     """transformers' output for a batch whose segments are all compiled (`ragged._compile_segments`
     reserved their caches): logits [1, K, V] at `logits_to_keep`, and with `want_hidden` the final
-    (normed) hidden states as `hidden_states[-1]` ([1, T, H])."""
+    (normed) hidden states as `hidden_states[-1]` ([1, T, H]). tiles: the products on AMX tiles,
+    for a batch of prompts only (layers.cpp)."""
     inner = model.model
     embeds = inputs.get("inputs_embeds")
     if embeds is None:
@@ -124,7 +132,7 @@ def fused_forward(model, batch, fused: FusedLayers, logits_to_keep: torch.Tensor
     failed = compiled.lib.decoder_layers(
         h.data_ptr(), h.shape[0], fused.hidden, fused.intermediate, fused.table.data_ptr(), fused.table.shape[0],
         fused.eps, cos.data_ptr(), sin.data_ptr(), compiled.tables.data_ptr(), compiled.tables.shape[1], heads,
-        kv_heads, dim, ctypes.c_float(attention.scaling),
+        kv_heads, dim, ctypes.c_float(attention.scaling), int(tiles),
     )
     if failed:
         raise MemoryError("the fused decoder layers could not allocate their scratch rows")

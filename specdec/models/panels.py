@@ -185,7 +185,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ragged_attention.argtypes += [ctypes.c_float, ptr]
     lib.ragged_attention.restype = None
     lib.decoder_layers.argtypes = [ptr, size, size, size, ptr, size, ctypes.c_float, ptr, ptr, ptr, size, size, size]
-    lib.decoder_layers.argtypes += [size, ctypes.c_float]
+    lib.decoder_layers.argtypes += [size, ctypes.c_float, size]
     lib.decoder_layers.restype = ctypes.c_int
     lib.amx_request.argtypes = []
     lib.amx_request.restype = ctypes.c_int

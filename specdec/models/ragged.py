@@ -224,11 +224,24 @@ def _prefix_columns(layer) -> tuple[int, int, int, int] | None:
 
 
 def _compilable(seg: Segment) -> bool:
-    """Whether the compiled kernels take this segment: a few rows, its cache's layers all reserving
-    buffers, a shared prefix (if any) laid out as the kernel reads it."""
-    if seg.end - seg.start > COMPILED_MAX_ROWS or not shareable(seg.kv):
+    """Whether the compiled kernels take this segment: a few rows, its cache laid out for them."""
+    return seg.end - seg.start <= COMPILED_MAX_ROWS and _cache_laid_out(seg)
+
+
+def _cache_laid_out(seg: Segment) -> bool:
+    """Its cache's layers all reserve buffers, and a shared prefix (if any) is laid out as the
+    kernel reads it."""
+    if not shareable(seg.kv):
         return False
     return shared_prefix(seg.kv)[0] is None or all(_prefix_columns(layer) is not None for layer in seg.kv.layers)
+
+
+def _prompts_on_tiles(batch: RaggedBatch, fused) -> bool:
+    """Whether the fused layers take this batch of prompts (every segment longer than
+    COMPILED_MAX_ROWS), their products on AMX tiles: every linear compact, a CPU with the tiles."""
+    if not fused.compact or not panels.amx_available():
+        return False
+    return all(seg.end - seg.start > COMPILED_MAX_ROWS and _cache_laid_out(seg) for seg in batch.segments)
 
 
 def _settle_compiled(batch: RaggedBatch) -> None:
@@ -348,6 +361,11 @@ def ragged_forward(
             return out
         if short:
             return _split_forward(model, batch, short, logits_to_keep, want_hidden, **inputs)
+        if _prompts_on_tiles(batch, fused):
+            batch = _compile_segments(batch, model.config, list(range(len(batch.segments))))
+            out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, tiles=True, **inputs)
+            _settle_compiled(batch)
+            return out
     if compiled:
         batch = _compile_segments(batch, model.config)
     with attention_implementation(model, RAGGED_ATTENTION):
@@ -385,7 +403,8 @@ def _split_forward(model, batch: RaggedBatch, short: list[int], logits_to_keep, 
     for number, (rows, sub) in enumerate(subs):
         keep = local[logits_to_keep[owner[logits_to_keep] == number]]
         sub_inputs = {name: value[:, rows] for name, value in inputs.items()}
-        outs.append((rows, ragged_forward(model, sub, keep, want_hidden, compiled=number == 0, **sub_inputs)))
+        # (the others too: prompts may take the fused layers on AMX tiles, never with the short rows)
+        outs.append((rows, ragged_forward(model, sub, keep, want_hidden, compiled=True, **sub_inputs)))
     first = outs[0][1].logits
     logits = first.new_empty((1, len(logits_to_keep), first.shape[-1]))
     for number, (_, out) in enumerate(outs):

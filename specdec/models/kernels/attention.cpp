@@ -1,5 +1,5 @@
-// Attention of a ragged batch's short segments (decode and Verify rows) against their sessions'
-// cached keys/values, all segments and heads in one call. Built with panels.cpp into one library
+// Attention of a ragged batch's short segments (decode and Verify rows; on AMX hosts also prompts,
+// layers.cpp) against their sessions' cached keys/values, all segments and heads in one call. Built with panels.cpp into one library
 // by specdec/models/panels.py; called by specdec/models/ragged.py.
 //
 // Why: per segment and layer, the Python around SDPA (cache append, mask, kernel checks) cost more
@@ -35,6 +35,7 @@ typedef int i16 __attribute__((vector_size(64)));
 #define MAX_ROWS 4  // query rows a pass keeps
 #define MAX_ACC 16  // their accumulators, in vectors: within the register file
 #define AHEAD 32    // positions ahead whose keys / values are prefetched
+#define ROW_BLOCK 16  // a segment's rows per task
 
 static inline v8 floor_of(v8 x) { return (v8)_mm256_floor_ps((__m256)x); }
 
@@ -232,19 +233,20 @@ static void attend_rows(const Row* rows, const Span& keys, const Span& values, f
         }
 }
 
-// Every query row of one key/value head of a segment (its `group` query heads x the segment's
-// rows), a few a pass, so that each key and value is read once for them.
+// The query rows of one key/value head for the segment's rows first .. first + count - 1 (its
+// `group` query heads x those rows), a few a pass, so that each key and value is read once for them.
 template <class V, int VECS>
-static void attend_head(const Segment& seg, long kv_head, long group, const float* q, long q_token, long q_head,
-                        float* out, long out_token, float scale, float* scores, long stride) {
+static void attend_head(const Segment& seg, long kv_head, long first_row, long row_count, long group, const float* q,
+                        long q_token, long q_head, float* out, long out_token, float scale, float* scores,
+                        long stride) {
     const long dim = VECS * Lanes<V>::width;
     const long own = kv_head * seg.capacity * dim, prefix = kv_head * seg.prefix_capacity * dim;
     const Span keys = {(const float*)seg.prefix_keys + prefix, seg.prefix_len, (const float*)seg.keys + own, dim};
     const Span values = {(const float*)seg.prefix_values + prefix, seg.prefix_len, (const float*)seg.values + own,
                          dim};
     constexpr int chunk = MAX_ACC / VECS < 1 ? 1 : (MAX_ACC / VECS > MAX_ROWS ? MAX_ROWS : MAX_ACC / VECS);
-    const long count = seg.rows * group;
-    for (long first = 0; first < count; first += chunk) {
+    const long count = (first_row + row_count) * group;
+    for (long first = first_row * group; first < count; first += chunk) {
         const long n = count - first < chunk ? count - first : chunk;
         Row rows[MAX_ROWS];
         for (long r = 0; r < n; r++) {
@@ -261,7 +263,8 @@ static void attend_head(const Segment& seg, long kv_head, long group, const floa
     }
 }
 
-typedef void (*HeadFn)(const Segment&, long, long, const float*, long, long, float*, long, float, float*, long);
+typedef void (*HeadFn)(const Segment&, long, long, long, long, const float*, long, long, float*, long, float, float*,
+                       long);
 
 template <class V> static HeadFn head_fn(long vecs) {
     switch (vecs) {
@@ -319,14 +322,24 @@ extern "C" void ragged_attention(const float* q, long q_token, long q_head, cons
         if (segments[s].past + segments[s].rows > longest) longest = segments[s].past + segments[s].rows;
     }
     const long stride = (longest + WIDEST - 1) / WIDEST * WIDEST + WIDEST;
-    const long group = heads / kv_heads, out_token = heads * dim, tasks = count * kv_heads;
+    const long group = heads / kv_heads, out_token = heads * dim;
+    // Tasks: (segment, block of at most ROW_BLOCK of its rows) x key/value head, so that a prompt's
+    // rows spread over the threads (as one task per head, a 300-row prompt of SmolLM2's 3 heads
+    // kept one of two threads idle a third of the time). A row's result does not depend on its task.
+    long blocks = 0;
+    for (long s = 0; s < count; s++) blocks += (segments[s].rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    const long tasks = blocks * kv_heads;
 #pragma omp parallel
     {
         float* scores = (float*)malloc(MAX_ROWS * stride * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (long t = 0; t < tasks; t++)
-            attend(segments[t / kv_heads], t % kv_heads, group, q, q_token, q_head, out, out_token, scale, scores,
+        for (long t = 0; t < tasks; t++) {
+            long s = 0, b = t / kv_heads;  // block b of all: find its segment
+            for (long in_s; b >= (in_s = (segments[s].rows + ROW_BLOCK - 1) / ROW_BLOCK); s++) b -= in_s;
+            const long row = b * ROW_BLOCK, left = segments[s].rows - row, rows = left < ROW_BLOCK ? left : ROW_BLOCK;
+            attend(segments[s], t % kv_heads, row, rows, group, q, q_token, q_head, out, out_token, scale, scores,
                    stride);
+        }
         free(scores);
     }
 }

@@ -1,5 +1,5 @@
 // Every decoder layer of a Llama-shaped model over the short segments of a ragged step (decode
-// and Verify rows) in ONE call: RMSNorm, the q / k / v products, rotary embedding, the ragged
+// and Verify rows), or over prompts with the products on AMX tiles (`tiles`), in ONE call: RMSNorm, the q / k / v products, rotary embedding, the ragged
 // attention (attention.cpp), the output product and residual, RMSNorm, gate / up, SiLU, down and
 // residual. Built with panels.cpp and attention.cpp into one library by specdec/models/panels.py;
 // called by specdec/models/fused.py.
@@ -23,6 +23,10 @@ extern "C" void panels_q4_product(const float* x, long M, long K, const unsigned
                                   const float* offset, long N, float* y);
 extern "C" void panels_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale,
                                   long N, float* y);
+extern "C" int amx_q4_product(const float* x, long M, long K, const unsigned char* nibbles, const float* scale,
+                              const float* offset, long N, float* y);
+extern "C" int amx_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale, long N,
+                              float* y);
 #define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
@@ -43,13 +47,21 @@ struct Layer {
 
 enum { F32 = 0, Q4 = 1, Q8 = 2 };
 
-static void product(const Linear& w, const float* x, long rows, long in, float* y) {
+// tiles: the 4- and 8-bit forms on AMX tiles (amx.cpp; a prompt's rows, see decoder_layers),
+// panels.cpp where amx.cpp could not allocate its buffers.
+static void product(const Linear& w, const float* x, long rows, long in, float* y, long tiles) {
     switch (w.form) {
         case F32: panels_product(x, rows, in, (const float*)w.a, w.out, y); break;
         case Q4:
+            if (tiles && amx_q4_product(x, rows, in, (const unsigned char*)w.a, (const float*)w.b, (const float*)w.c,
+                                        w.out, y) == 0)
+                break;
             panels_q4_product(x, rows, in, (const unsigned char*)w.a, (const float*)w.b, (const float*)w.c, w.out, y);
             break;
-        case Q8: panels_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y); break;
+        case Q8:
+            if (tiles && amx_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y) == 0) break;
+            panels_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y);
+            break;
     }
     if (w.bias)
         for (long r = 0; r < rows; r++)
@@ -100,11 +112,13 @@ static void add(float* into, const float* from, long count) {
 
 // h: the residual stream [rows, hidden], updated in place through `count_layers` layers; layers:
 // count_layers Layers; cos, sin: [rows, dim]; tables: [count_layers][segments][SEGMENT_COLUMNS], each layer's
-// ragged_attention table (its cache buffers reserved for the new rows). Returns 0, or -1 when a
-// scratch buffer could not be allocated (h is then unchanged or partly updated: discard it).
+// ragged_attention table (its cache buffers reserved for the new rows); tiles: the products on AMX
+// tiles (a call of prompts only, whose rows then take amx.cpp's float32 sums: never set for a call
+// with decode or Verify rows, which keep panels.cpp's bits). Returns 0, or -1 when a scratch buffer
+// could not be allocated (h is then unchanged or partly updated: discard it).
 extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, const long* layers, long count_layers,
                               float eps, const float* cos, const float* sin, const long* tables, long segments,
-                              long heads, long kv_heads, long dim, float scale) {
+                              long heads, long kv_heads, long dim, float scale, long tiles) {
     const long q_width = heads * dim, kv_width = kv_heads * dim;
     long widest = inter > q_width ? inter : q_width;  // gate and up also hold [rows, hidden] products
     widest = widest > hidden ? widest : hidden;
@@ -115,20 +129,20 @@ extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, cons
     for (long l = 0; l < count_layers; l++) {
         const Layer& w = ((const Layer*)layers)[l];
         rms_norm(h, rows, hidden, (const float*)w.input_norm, eps, normed);
-        product(w.q, normed, rows, hidden, q);
-        product(w.k, normed, rows, hidden, k);
-        product(w.v, normed, rows, hidden, v);
+        product(w.q, normed, rows, hidden, q, tiles);
+        product(w.k, normed, rows, hidden, k, tiles);
+        product(w.v, normed, rows, hidden, v, tiles);
         rotate(q, rows, heads, dim, cos, sin);
         rotate(k, rows, kv_heads, dim, cos, sin);
         ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * SEGMENT_COLUMNS,
                          segments, heads, kv_heads, dim, scale, attended);
-        product(w.o, attended, rows, q_width, gate);  // (gate as scratch: [rows, hidden] fits)
+        product(w.o, attended, rows, q_width, gate, tiles);  // (gate as scratch: [rows, hidden] fits)
         add(h, gate, rows * hidden);
         rms_norm(h, rows, hidden, (const float*)w.post_norm, eps, normed);
-        product(w.gate, normed, rows, hidden, gate);
-        product(w.up, normed, rows, hidden, up);
+        product(w.gate, normed, rows, hidden, gate, tiles);
+        product(w.up, normed, rows, hidden, up, tiles);
         silu_times(gate, up, rows * inter);
-        product(w.down, gate, rows, inter, up);  // (up as scratch: [rows, hidden] fits)
+        product(w.down, gate, rows, inter, up, tiles);  // (up as scratch: [rows, hidden] fits)
         add(h, up, rows * hidden);
     }
     free(scratch);

@@ -125,3 +125,45 @@ def test_models_the_kernel_cannot_compute_keep_transformers():
         finally:
             runner.close()
     assert fused_layers(plain) is None
+
+
+@pytest.mark.skipif(not panels.amx_available(), reason="no AMX tiles on this CPU (or SPECDEC_AMX=off)")
+def test_prompts_of_compact_models_run_fused_on_amx_tiles_apart_from_short_rows(qwen2_blocks, monkeypatch):
+    """A prompt takes the fused layers with its products on the tiles (transformers' logits within
+    float32 noise, at every row), alone or beside a decode, which keeps its solo bits; a decode
+    after such a prompt is transformers' too. Without the tiles prompts keep transformers' forward."""
+    from specdec.models import ragged
+
+    runner, vocab = qwen2_blocks, qwen2_blocks.vocab_size
+    calls = []
+    real = ragged.fused_forward
+
+    def spy(*args, tiles=False, **kwargs):
+        calls.append((args[1].rows, tiles))
+        return real(*args, tiles=tiles, **kwargs)
+
+    monkeypatch.setattr(ragged, "fused_forward", spy)
+    p, q = ([(m * t + s) % vocab for t in range(40)] for m, s in ((7, 3), (13, 5)))
+    prompt = runner.on_model_thread(runner.last_logits, "tiles-p", p[:36], 36)
+    assert calls == [(36, True)]
+    reference = _reference(runner.model, p)[0]
+    torch.testing.assert_close(prompt.logits, reference[:36], rtol=1e-5, atol=1e-5)
+    decode = runner.on_model_thread(runner.last_logits, "tiles-p", p[:37], 1)
+    torch.testing.assert_close(decode.logits[0], reference[36], rtol=1e-5, atol=1e-5)
+    runner.on_model_thread(runner.cache.drop, "tiles-p")
+    for _ in range(2):  # the same cached prompt, then its decode alone, then beside another prompt
+        runner.on_model_thread(runner.last_logits, "tiles-p", p[:37], 1)
+        alone = runner.on_model_thread(runner.last_logits, "tiles-p", p[:38], 1)
+        runner.on_model_thread(runner.cache.drop, "tiles-p")
+    runner.on_model_thread(runner.last_logits, "tiles-p", p[:37], 1)
+    calls.clear()
+    beside = runner.on_model_thread(runner.step, [StepItem("tiles-p", p[:38], 1), StepItem("tiles-q", q, 1)])
+    assert sorted(calls) == [(1, False), (40, True)]
+    assert torch.equal(beside[0].logits, alone.logits)
+    torch.testing.assert_close(beside[1].logits[0], _reference(runner.model, q)[0][-1], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(panels, "amx_available", lambda: False)
+    calls.clear()
+    runner.on_model_thread(runner.last_logits, "tiles-r", [(17 * t + 6) % vocab for t in range(30)], 1)
+    assert calls == []
+    for session in ("tiles-p", "tiles-q", "tiles-r"):
+        runner.on_model_thread(runner.cache.drop, session)
