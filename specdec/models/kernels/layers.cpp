@@ -1,8 +1,9 @@
 // Every decoder layer of a Llama-shaped model over the short segments of a ragged step (decode
-// and Verify rows), or over prompts with the products on AMX tiles (`tiles`), in ONE call: RMSNorm, the q / k / v products, rotary embedding, the ragged
-// attention (attention.cpp), the output product and residual, RMSNorm, gate / up, SiLU, down and
-// residual. Built with panels.cpp and attention.cpp into one library by specdec/models/panels.py;
-// called by specdec/models/fused.py.
+// and Verify rows), or over prompts with the products on AMX tiles (`tiles`), in ONE call:
+// RMSNorm, the q / k / v products, rotary embedding, the ragged attention (attention.cpp), the
+// output product and residual, RMSNorm, gate / up, SiLU, down and residual. Built with panels.cpp,
+// amx.cpp and attention.cpp into one library by specdec/models/panels.py; called by
+// specdec/models/fused.py.
 //
 // Why: a 17.5 ms one-row decode of SmolLM2-135M (2 threads) spent ~7 ms dispatching ~45 tensor ops
 // a layer from Python, more than its attention and half its products; here the ops between the
