@@ -323,23 +323,28 @@ def product(
         lib, why = _library()
         if lib is None:
             raise RuntimeError(f"the panels kernel is unavailable: {why}")
+    kernels = (lib.panels_q4_product, lib.panels_q8_product, lib.panels_product)
+    return _run(x, panels, out_features, "panels product", *kernels)[0]
+
+
+def _run(x: torch.Tensor, panels, out_features: int, what: str, q4, q8, f32=None) -> tuple[torch.Tensor, int]:
+    """(y, the kernel's status) of the kernel for the copy's form (q4 / q8 / f32) on x, after
+    checking x against the copy (ValueError naming `what`)."""
     count, k, width = panels.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features:
-        raise ValueError(f"panels product of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
+    bad = x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features
+    if bad or (f32 is None and isinstance(panels, torch.Tensor)):
+        raise ValueError(f"{what} of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if isinstance(panels, Q4Panels):
-        lib.panels_q4_product(
-            x.data_ptr(), x.shape[0], k, panels.nibbles.data_ptr(), panels.scale.data_ptr(),
-            panels.offset.data_ptr(), out_features, y.data_ptr(),
-        )
+        parts = (panels.nibbles.data_ptr(), panels.scale.data_ptr(), panels.offset.data_ptr())
+        status = q4(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     elif isinstance(panels, Q8Panels):
-        lib.panels_q8_product(
-            x.data_ptr(), x.shape[0], k, panels.levels.data_ptr(), panels.scale.data_ptr(), out_features, y.data_ptr()
-        )
+        parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
+        status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     else:
-        lib.panels_product(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())
-    return y
+        status = f32(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())
+    return y, status
 
 
 @functools.lru_cache(maxsize=1)
@@ -366,21 +371,8 @@ def amx_product(x: torch.Tensor, panels: Q4Panels | Q8Panels, out_features: int)
     if not amx_available():  # (it also asks Linux for the tiles: without that, their first use is SIGILL)
         raise RuntimeError("AMX tiles are unavailable here (amx_available)")
     lib = kernel_library()
-    count, k, width = panels.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features:
-        raise ValueError(f"AMX product of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if isinstance(panels, Q4Panels):
-        done = lib.amx_q4_product(
-            x.data_ptr(), x.shape[0], k, panels.nibbles.data_ptr(), panels.scale.data_ptr(),
-            panels.offset.data_ptr(), out_features, y.data_ptr(),
-        )
-    else:
-        done = lib.amx_q8_product(
-            x.data_ptr(), x.shape[0], k, panels.levels.data_ptr(), panels.scale.data_ptr(), out_features, y.data_ptr()
-        )
-    return y if done == 0 else None
+    y, status = _run(x, panels, out_features, "AMX product", lib.amx_q4_product, lib.amx_q8_product)
+    return y if status == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.models import panels
-from tests.unit.models.test_panels import _q4_weight, _q8_weight
+from tests.unit.models.test_panels import _q4_weight, _q8_weight, assert_rows_alone
 
 needs_amx = pytest.mark.skipif(not panels.amx_available(), reason="no AMX tiles on this CPU (or SPECDEC_AMX=off)")
 FORMS = {"q4": (_q4_weight, panels.pack_q4), "q8": (_q8_weight, panels.pack_q8)}
@@ -42,17 +42,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(form):
     make, pack = FORMS[form]
     compact = pack(make(200, 576, 5))
     torch.manual_seed(1)
-    x = torch.randn(47, 576)  # a full group of 32, then 15: both tile shapes
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        together = panels.amx_product(x, compact, 200)
-        torch.set_num_threads(1)
-        alone = torch.cat([panels.amx_product(x[i : i + 1], compact, 200) for i in range(47)])
-        in_fives = torch.cat([panels.amx_product(x[i : i + 5], compact, 200) for i in range(0, 47, 5)])
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(together, alone) and torch.equal(together, in_fives)
+    # 47 rows: a full group of 32, then 15 (both tile shapes)
+    assert_rows_alone(lambda rows: panels.amx_product(rows, compact, 200), torch.randn(47, 576))
 
 
 @needs_amx
@@ -61,6 +52,8 @@ def test_bad_input_is_refused_before_the_kernel_reads_it():
     for x, n in ((torch.randn(20, 65), 40), (torch.randn(20, 64, dtype=torch.float64), 40), (torch.randn(20, 64), 65)):
         with pytest.raises(ValueError, match="AMX product"):
             panels.amx_product(x, compact, n)
+    with pytest.raises(ValueError, match="AMX product"):  # a float32 copy: no levels for the tiles
+        panels.amx_product(torch.randn(20, 64), panels.pack(torch.randn(40, 64)), 40)
 
 
 def test_the_tiles_are_used_only_where_the_cpu_has_them_and_not_switched_off(monkeypatch):

@@ -27,21 +27,27 @@ def test_the_product_is_linears(rows, k, n):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+def assert_rows_alone(run, x: torch.Tensor) -> None:
+    """run(rows) on all of x's rows at once on two threads gives, bit for bit, each row alone and
+    the rows five at a time on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = run(x)
+        torch.set_num_threads(1)
+        alone = torch.cat([run(x[i : i + 1]) for i in range(len(x))])
+        in_fives = torch.cat([run(x[i : i + 5]) for i in range(0, len(x), 5)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone) and torch.equal(together, in_fives)
+
+
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it():
     """Bit for bit: so a Verify's rows equal their one-row decodes in every linear."""
     torch.manual_seed(0)
     weight, x = torch.randn(1536, 576), torch.randn(19, 576)
     packed = panels.pack(weight)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        together = panels.product(x, packed, 1536)
-        torch.set_num_threads(1)
-        alone = torch.cat([panels.product(x[i : i + 1], packed, 1536) for i in range(19)])
-        in_fives = torch.cat([panels.product(x[i : i + 5], packed, 1536) for i in range(0, 19, 5)])
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(together, alone) and torch.equal(together, in_fives)
+    assert_rows_alone(lambda rows: panels.product(rows, packed, 1536), x)
 
 
 def test_bad_input_is_refused_before_the_kernel_reads_it():
