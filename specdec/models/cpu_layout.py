@@ -108,25 +108,17 @@ class PlannedLinear(torch.nn.Module):
             flat = x.reshape(rows, self.in_features).contiguous()
             y = packed_product(flat, self.weight_packed)
             y = y.reshape(*x.shape[:-1], self.out_features)
-        elif layout == PANELS and (y := self._panels_product(x, rows)) is not None:
+        elif (
+            layout == PANELS
+            and rows <= panels.MAX_ROWS
+            and self.weight_panels is not None
+            and not torch.compiler.is_compiling()
+        ):
+            y = panels.product(x.reshape(rows, self.in_features), self.weight_panels, self.out_features)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
-
-    def _panels_product(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """x's product from the panels copy: on AMX tiles for a prompt's rows where the copy is
-        compact and the CPU has them, else by the panels kernel up to its row bound; None: no copy,
-        too many rows, or inside a compiled graph."""
-        copy = self.weight_panels
-        if copy is None or torch.compiler.is_compiling():
-            return None
-        flat = x.reshape(rows, self.in_features)
-        if rows >= panels.AMX_MIN_ROWS and not isinstance(copy, torch.Tensor) and panels.amx_available():
-            y = panels.amx_product(flat, copy, self.out_features)
-            if y is not None:
-                return y
-        return panels.product(flat, copy, self.out_features) if rows <= panels.MAX_ROWS else None
 
     def has_copy(self, layout: str) -> bool:
         copy = {TRANSPOSED: self.weight_t, PACKED: self.weight_packed, PANELS: self.weight_panels}.get(layout)

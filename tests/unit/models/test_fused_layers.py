@@ -42,7 +42,7 @@ def _quantize(weight: torch.Tensor, bits: int, gen: torch.Generator) -> None:
 
 @pytest.fixture(scope="module")
 def qwen2_blocks():
-    """A tiny Qwen2 (biased q / k / v) whose attention products are 4-bit and MLP 8-bit blocks."""
+    """A tiny Qwen2 (biased q / k / v) whose attention products are 4-bit and MLP and head 8-bit blocks."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -61,6 +61,8 @@ def qwen2_blocks():
             for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 _quantize(linear.weight, 8, gen)
             layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=gen)
+        _quantize(model.lm_head.weight, 8, gen)  # as the packaged target's head,
+        model.lm_head.weight.mul_(2.0**-6)  # scaled (exactly) to logits of a few units
     runner = _runner(model)
     yield runner
     runner.close()
@@ -105,6 +107,13 @@ def test_a_rows_bits_do_not_depend_on_its_company(qwen2_blocks):
     assert torch.equal(alone_a.logits[1], decode.logits[0])
     batched = runner.on_model_thread(runner.step, [StepItem("a", [*a, 3, 4, 5], 3), StepItem("b", [*b, 6], 1)])
     assert torch.equal(batched[0].logits, alone_a.logits) and torch.equal(batched[1].logits, alone_b.logits)
+    # Many kept rows in one step (the head's product over 4 x 5 rows) give each Verify its solo bits.
+    many = [(f"many-{s}", [(13 * t + s) % vocab for t in range(25)]) for s in range(4)]
+    for session, tokens in many:
+        runner.on_model_thread(runner.last_logits, session, tokens, 1)
+    solo = [runner.on_model_thread(runner.last_logits, s, [*t, 1, 2, 3, 4, 5], 5).logits for s, t in many]
+    step = runner.on_model_thread(runner.step, [StepItem(s, [*t, 1, 2, 3, 4, 5], 5) for s, t in many])
+    assert all(torch.equal(result.logits, alone) for result, alone in zip(step, solo, strict=True))
     beside = runner.on_model_thread(runner.step, [StepItem("b", [*b, 6], 1), StepItem("c", c, 1)])
     assert torch.equal(beside[0].logits, alone_b.logits)
     prompt = _reference(runner.model, c)[0][-1]
