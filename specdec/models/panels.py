@@ -49,13 +49,12 @@ BLOCK = 32  # inputs per quantization block (GGUF's Q4_1 and Q8_0)
 # 140 / 145, 256 263 / 253, 512 545 / 470; from the 4- and 8-bit copies 16 rows 31 / 58, 64 75 /
 # 97, 128 140 / 136, 256 287 / 250.
 MAX_ROWS = 128
-# Compact (4- and 8-bit) copies' products on AMX tiles where the CPU has them (kernels/amx.cpp,
-# `amx_product`) serve prompts only, in the fused layers (`ragged._prompts_on_tiles`): never a call
-# with decode or Verify rows, the head's included, which keep this kernel's bits (a Verify row must
-# equal its decode, a batched row its solo self). SmolLM2's compact linears at 300 rows on an AMX
-# Xeon, MKL from float32 against AMX (ms): 576 -> 1536 1.66 / 0.81, 1536 -> 576 1.63 / 0.98,
-# 576 -> 576 0.58 / 0.42.
 # What kernels/amx.cpp runs (its tiles, bfloat16 conversions, AVX-512) as /proc/cpuinfo names it.
+# Where the CPU has them, compact (4- and 8-bit) copies' products on the tiles serve prompts only,
+# in the fused layers (`ragged._prompts_on_tiles`): never a call with decode or Verify rows, the
+# head's included, which keep this kernel's bits (a Verify row must equal its decode, a batched row
+# its solo self). SmolLM2's compact linears at 300 rows on an AMX Xeon, MKL from float32 against
+# AMX (ms): 576 -> 1536 1.66 / 0.81, 1536 -> 576 1.63 / 0.98, 576 -> 576 0.58 / 0.42.
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # One library: the products here (and on AMX tiles, kernels/amx.cpp), the attention of ragged steps
 # (kernels/attention.cpp, ragged.py) and whole decoder layers (kernels/layers.cpp, fused.py).

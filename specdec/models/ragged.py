@@ -354,16 +354,12 @@ def ragged_forward(
     fused = fused_layers(model) if compiled else None
     if fused is not None:
         short = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
-        if len(short) == len(batch.segments):
-            batch = _compile_segments(batch, model.config, short)
-            out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, **inputs)
-            _settle_compiled(batch)
-            return out
-        if short:
+        if short and len(short) < len(batch.segments):
             return _split_forward(model, batch, short, logits_to_keep, want_hidden, **inputs)
-        if _prompts_on_tiles(batch, fused):
-            batch = _compile_segments(batch, model.config, list(range(len(batch.segments))))
-            out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, tiles=True, **inputs)
+        tiles = not short and _prompts_on_tiles(batch, fused)  # all short, or all prompts on tiles
+        if short or tiles:
+            batch = _compile_segments(batch, model.config, short or list(range(len(batch.segments))))
+            out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, tiles=tiles, **inputs)
             _settle_compiled(batch)
             return out
     if compiled:
@@ -384,7 +380,8 @@ def ragged_forward(
 
 def _split_forward(model, batch: RaggedBatch, short: list[int], logits_to_keep, want_hidden: bool, **inputs):
     """A batch of short segments and others (prompts, a prompt's rest after a shared prefix): the
-    short ones in the fused layers, the others in transformers' forward, as each would run alone."""
+    short ones in the fused layers, the others as they would run alone (in transformers' forward,
+    or the fused layers on AMX tiles: `_prompts_on_tiles`), never in one call with short rows."""
     parts = [short, [i for i in range(len(batch.segments)) if i not in set(short)]]
     owner = torch.empty(batch.rows, dtype=torch.long)  # row -> its part
     local = torch.empty(batch.rows, dtype=torch.long)  # row -> its row within the part
@@ -403,7 +400,6 @@ def _split_forward(model, batch: RaggedBatch, short: list[int], logits_to_keep, 
     for number, (rows, sub) in enumerate(subs):
         keep = local[logits_to_keep[owner[logits_to_keep] == number]]
         sub_inputs = {name: value[:, rows] for name, value in inputs.items()}
-        # (the others too: prompts may take the fused layers on AMX tiles, never with the short rows)
         outs.append((rows, ragged_forward(model, sub, keep, want_hidden, compiled=True, **sub_inputs)))
     first = outs[0][1].logits
     logits = first.new_empty((1, len(logits_to_keep), first.shape[-1]))

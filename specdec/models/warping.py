@@ -25,11 +25,7 @@ def warp_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """
     _check_finite(logits)
     if sampling.greedy:
-        # argmax before the float64 cast: the cast is exact, so the same index (and the same first
-        # one on ties), without copying the whole vocabulary first.
-        probs = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
-        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        return probs
+        return _greedy(logits, torch.float64)
     scaled = logits.to(torch.float64) / sampling.temperature
     vocab = scaled.shape[-1]
     if 0 < sampling.top_k < vocab:
@@ -40,6 +36,13 @@ def warp_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.top_p < 1.0:
         probs = _nucleus(probs, sampling.top_p)
     return probs
+
+
+def _greedy(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The greedy law in `dtype`: one-hot on the argmax, the first index on ties. The argmax is
+    taken before any cast (a cast is exact, so the same index), without copying the vocabulary."""
+    probs = torch.zeros(logits.shape, dtype=dtype, device=logits.device)
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def _check_finite(logits: torch.Tensor) -> None:
@@ -85,9 +88,7 @@ def wire_laws(logits: torch.Tensor, sampling: Sampling) -> np.ndarray:
     if not sampling.greedy:
         return to_wire(warp_logits(logits, sampling))
     _check_finite(logits)
-    probs = np.zeros(tuple(logits.shape), dtype=np.float32)
-    probs[np.arange(logits.shape[0]), logits.argmax(dim=-1).numpy()] = 1.0
-    return probs
+    return to_wire(_greedy(logits, torch.float32))
 
 
 def to_wire(probs: torch.Tensor | np.ndarray) -> np.ndarray:

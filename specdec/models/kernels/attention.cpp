@@ -1,6 +1,7 @@
 // Attention of a ragged batch's short segments (decode and Verify rows; on AMX hosts also prompts,
-// layers.cpp) against their sessions' cached keys/values, all segments and heads in one call. Built with panels.cpp into one library
-// by specdec/models/panels.py; called by specdec/models/ragged.py.
+// layers.cpp) against their sessions' cached keys/values, all segments and heads in one call.
+// Built with panels.cpp into one library by specdec/models/panels.py; called by
+// specdec/models/ragged.py.
 //
 // Why: per segment and layer, the Python around SDPA (cache append, mask, kernel checks) cost more
 // than the attention did: 8 decodes of 400 cached tokens spent 23.6 of a 48 ms step (SmolLM2-135M,
