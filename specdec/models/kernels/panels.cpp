@@ -88,10 +88,20 @@ struct Q4 {
     }
     inline void row(long k, vec* w) const {
         __builtin_prefetch(nibbles + (k + 2 * AHEAD) * 16, 0, 3);
+#if defined(__AVX512F__)
+        // A level's float by table lookup: vpermps reads only an index's low 4 bits, so neither
+        // nibble needs masking nor converting (6 vector ops a row of 32 weights instead of 8; the
+        // same floats, so the same bits).
+        const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i both = (__m512i)widen(nibbles + k * 16);
+        w[0] = (vec)_mm512_permutexvar_ps(both, levels) * d[0] + m[0];
+        w[1] = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(both, 4), levels) * d[1] + m[1];
+#else
         for (int l = 0; l < LANES; l++) {
             ints q = (widen(nibbles + k * 16 + (l * WIDTH) % 16) >> (l * WIDTH >= 16 ? 4 : 0)) & 15;
             w[l] = __builtin_convertvector(q, vec) * d[l] + m[l];
         }
+#endif
     }
 };
 
