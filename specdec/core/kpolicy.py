@@ -172,11 +172,11 @@ class AdaptiveK:
         measured = {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
         if rows in measured:
             return measured[rows]
-        if measured and len(self.verify_curve) >= max(rows, *measured):
-            # Scale the nearest measured length by the curve: what this call's timing adds
-            # (transport, a busier machine) scales with it.
+        if measured and self.verify_curve:
+            # Scale the nearest measured length by the curve (extended past its calibrated rows):
+            # what this call's timing adds (transport, a busier machine) scales with it.
             nearest = min(measured, key=lambda r: (abs(r - rows), -r))
-            return measured[nearest] * self.verify_curve[rows - 1] / self.verify_curve[nearest - 1]
+            return measured[nearest] * self._curve_at(rows) / self._curve_at(nearest)
         one = measured.get(1, 1.0)
         if rows == 1:
             return one

@@ -124,6 +124,22 @@ def test_the_target_curve_shapes_lengths_not_yet_timed():
     assert policy.verify_cost(2) == pytest.approx(0.12 * 66 / 60)  # ties go to the shorter one
 
 
+def test_lengths_past_the_curve_cost_more_not_the_same_as_the_nearest_measured():
+    # As a CPU target calibrates: 9 rows (two passes of the 8-row kernel), K up to 16.
+    curve = (6.6, 7.3, 8.2, 8.9, 9.8, 10.6, 11.7, 12.8, 16.0)
+    policy = AdaptiveK(16, verify_curve=curve)
+    policy.observe(RoundOutcome(2, 0.0, 0.05, 3, [(0, 0)]))  # round 0: not kept
+    for _ in range(30):  # nothing proposed: 1-row Verifies of ~10 ms
+        policy.observe(RoundOutcome(1, 0.0, 0.010, 1, [(0, 0)]))
+    policy.observe(RoundOutcome(1, 0.0001, 0.012, 2, [(1, 1)]))  # one draft, accepted
+    costs = [policy.verify_cost(rows) for rows in range(1, 18)]
+    assert costs == sorted(costs) and costs[11] > costs[8] * 1.2  # 12 rows: a third more than 9
+    # One accepted draft is weak evidence: K grows by what the rows cost, not to the maximum.
+    assert 1 <= policy.choose() <= 4
+    policy.observe(RoundOutcome(16, 0.0001, 0.030, 17, [(16, 0)]))  # a long draft, measured
+    assert policy.verify_cost(12) == pytest.approx(0.030 * policy._curve_at(12) / policy._curve_at(17))
+
+
 def test_a_steep_curve_keeps_k_at_zero_and_a_flat_one_drafts():
     steep, flat = (60.0, 120.0, 180.0, 240.0), (60.0, 62.0, 64.0, 66.0)
     chosen = {}
