@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, DraftRequest
-from specdec.core.sampling import Sampling, normalize, sample_token
+from specdec.core.sampling import Sampling, draw
 from specdec.models.draft_artifact import fed_hidden
 from specdec.models.runner import LogitsResult, ModelRunner, StepItem
 from specdec.models.scheduler import SessionTask, Task, run_tasks, scheduler_for
@@ -27,7 +27,7 @@ def _uniforms(seed: int, count: int) -> np.ndarray:
 def _draw(probs_wire: np.ndarray, uniform: float) -> int:
     # Sample from the float32 array we send, normalised as the coordinator will:
     # the q it scores with is then the very law this token came from.
-    return sample_token(normalize(probs_wire), uniform)
+    return draw(probs_wire, uniform)
 
 
 def _fed_hidden(request: DraftRequest) -> torch.Tensor:

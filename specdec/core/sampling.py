@@ -62,16 +62,34 @@ def sample_token(probs: np.ndarray, uniform: float) -> int:
     return min(index, probs.shape[-1] - 1)
 
 
-def draw(weights: np.ndarray, uniform: float) -> int:
-    """sample_token(normalize(weights), uniform). weights: [V] non-negative, not all zero.
+BLOCK = 256  # tokens per block of `draw`'s two-level inverse CDF
 
-    A point mass (a greedy law) gives its one token whatever the uniform, as the inverse CDF does
-    (every other token's interval is empty), without the float64 passes over the vocabulary
-    (49,152 tokens: 0.29 -> 0.03 ms a draw, every K = 0 round at T = 0).
+
+def draw(weights: np.ndarray, uniform: float) -> int:
+    """sample_token(normalize(weights), uniform) in two levels. weights: [V] non-negative, not all zero.
+
+    The token whose interval of the cumulative weights holds uniform * total, found among the
+    blocks' float64 sums and then inside one block: every token's interval is its weight, as in
+    the one-level draw, and the token is the same but where the uniform lies within float64
+    rounding of an interval's end. It spares the float64 passes over the whole vocabulary
+    (49,152 tokens: 0.33 -> 0.03 ms a draw, every round at T > 0). Zero weights (and blocks of
+    them) have empty intervals: never drawn.
     """
-    if np.count_nonzero(weights) == 1:
-        return int(np.argmax(weights))
-    return sample_token(normalize(weights), uniform)
+    weights = np.asarray(weights)
+    size = weights.shape[-1]
+    whole = size - size % BLOCK
+    sums = weights[:whole].reshape(-1, BLOCK).sum(axis=1, dtype=np.float64)  # [blocks]
+    if whole < size:
+        sums = np.append(sums, weights[whole:].sum(dtype=np.float64))
+    ends = np.cumsum(sums)
+    target = uniform * ends[-1]
+    block = int(np.searchsorted(ends, target, side="right"))  # target < the total for uniform < 1
+    start = block * BLOCK
+    inside = np.cumsum(weights[start : start + BLOCK], dtype=np.float64)
+    index = int(np.searchsorted(inside, target - (ends[block - 1] if block else 0.0), side="right"))
+    if index == inside.shape[0]:  # the block's running sum rounded below its (pairwise) sum
+        index = int(np.flatnonzero(weights[start : start + BLOCK])[-1])
+    return start + index
 
 
 # ---------------------------------------------------------------- the round
@@ -160,7 +178,7 @@ def speculative_round(
         if r < acceptance_probs(q[token : token + 1], p[token : token + 1])[0]:
             accepted.append(token)
             continue
-        return RoundResult(accepted, sample_token(recovered_probs(q, p), rng.random()), None)
+        return RoundResult(accepted, draw(recovered_probs(q, p), rng.random()), None)
     bonus = draw(target_probs[num_draft], rng.random())
     return RoundResult(accepted, None, bonus)
 

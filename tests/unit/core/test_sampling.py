@@ -105,23 +105,35 @@ def test_sample_token_never_draws_zero_probability_tokens():
         assert sample_token(probs, u) in (1, 3)
 
 
-def test_a_draw_is_the_inverse_cdf_draw_of_the_normalised_weights():
-    """`draw` skips the float64 passes for a point mass (a greedy law): the token the inverse CDF
-    gives for any uniform. Dense weights go the long way: the same token for the same uniform."""
+@pytest.mark.parametrize("vocab", [4096, 49152, 600, 100])  # whole blocks, a partial last one, one partial block
+def test_a_draw_is_the_inverse_cdf_draw_of_the_normalised_weights(vocab):
+    """`draw` finds the interval in two levels (block sums, then one block): for any uniform, the
+    token the one-level inverse CDF of the normalised weights gives, never a zero-weight one."""
     rng = np.random.default_rng(4)
     uniforms = [0.0, 1e-12, 0.3, 0.5, 0.999999, float(np.nextafter(1.0, 0.0))]
-    for token in (0, 5, 4095):
+    for token in (0, 5, vocab - 1):  # point masses (greedy laws), in any block
         for scale in (1.0, 0.25, 3.0):  # a law, or weights normalize would scale
-            one_hot = np.zeros(4096, np.float32)
+            one_hot = np.zeros(vocab, np.float32)
             one_hot[token] = scale
             for u in uniforms:
                 assert draw(one_hot, u) == sample_token(normalize(one_hot), u) == token
-    for _ in range(50):
-        weights = rng.random(4096).astype(np.float32) * (rng.random(4096) < 0.01)  # sparse, a few tokens
-        weights[rng.integers(4096)] += 0.5
-        for u in [*uniforms, *rng.random(5)]:
-            token = draw(weights, u)
-            assert token == sample_token(normalize(weights), u) and weights[token] > 0
+    for density in (0.01, 0.5, 1.0):  # a few tokens (most blocks empty), half, dense
+        for _ in range(20):
+            weights = rng.random(vocab).astype(np.float32) * (rng.random(vocab) < density)
+            weights[rng.integers(vocab)] += 0.5
+            for u in [*uniforms, *rng.random(20)]:
+                token = draw(weights, u)
+                assert token == sample_token(normalize(weights), u) and weights[token] > 0
+                assert draw(weights.astype(np.float64), u) == token  # float64 weights (a residual law)
+
+
+def test_a_draw_never_lands_past_a_block_whose_cumulative_sum_rounds_below_its_block_sum():
+    weights = np.zeros(512)
+    weights[0], weights[1:256] = 1.0, 2.0**-53  # added one by one each rounds away; pairwise they add up
+    assert np.cumsum(weights[:256])[-1] < weights[:256].sum()
+    for u in (1 - 1e-15, float(np.nextafter(1.0, 0.0))):
+        token = draw(weights, u)
+        assert token < 256 and weights[token] > 0
 
 
 def test_round_emits_between_one_and_k_plus_one_tokens():
