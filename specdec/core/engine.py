@@ -147,18 +147,17 @@ class _Draft:
     probs: np.ndarray | None = None  # [k, V] float32, None when k = 0 or point_mass
     point_mass: bool = False  # q_i = one-hot(tokens[i]), built at accept time with the target's V
 
-    def laws(self, vocab: int) -> np.ndarray:
-        """[k, V] float32 laws the tokens were drawn from; ServiceError when they cannot be over V
-        or do not give their own tokens a positive probability. Decided from the draft alone, before
-        any accept draw, so that dropping such a draft cannot bias the round."""
+    def laws(self, vocab: int) -> np.ndarray | None:
+        """[k, V] float32 laws the tokens were drawn from, None for point masses (`speculative_round`
+        takes them so); ServiceError when they cannot be over V or do not give their own tokens a
+        positive probability. Decided from the draft alone, before any accept draw, so that dropping
+        such a draft cannot bias the round."""
         outside = [t for t in self.tokens if not 0 <= t < vocab]
         if outside:
             raise ServiceError(f"draft proposed token id {outside[0]}, outside the target's vocabulary [0, {vocab})")
-        rows = np.arange(len(self.tokens))
         if self.point_mass:
-            laws = np.zeros((len(self.tokens), vocab), np.float32)
-            laws[rows, self.tokens] = 1.0
-            return laws
+            return None
+        rows = np.arange(len(self.tokens))
         if self.probs is None:
             return np.empty((0, vocab), np.float32)
         if self.probs.shape[1] != vocab:
@@ -354,8 +353,8 @@ class SpeculativeEngine:
         check_laws("target", target_probs)
         return target_probs
 
-    def _vet(self, drafts: list[_Draft], target_laws: list[np.ndarray], stats: Stats) -> list[np.ndarray]:
-        """Each draft's laws over the target's vocabulary. A draft that cannot be read over it is
+    def _vet(self, drafts: list[_Draft], target_laws: list[np.ndarray], stats: Stats) -> list[np.ndarray | None]:
+        """Each draft's laws over the target's vocabulary (None: point masses). A draft that cannot be read over it is
         dropped (in place, with its target laws cut to the first): that sample's round is K = 0,
         from the law a K = 0 Verify returns."""
         laws, error = [], None

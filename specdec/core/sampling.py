@@ -121,6 +121,17 @@ def recovered_probs(draft_probs: np.ndarray, target_probs: np.ndarray) -> np.nda
     return residual / mass
 
 
+def recovered_probs_point_mass(token: int, target_probs: np.ndarray) -> np.ndarray:
+    """recovered_probs(one_hot(token), target_probs), number for number, without the one-hot:
+    p without x, renormalised (p itself when p is the point mass on x). target_probs: [V] float64 law."""
+    residual = target_probs.copy()
+    residual[token] = 0.0  # max(0, p(x) - 1) = 0; elsewhere max(0, p - 0) = p
+    mass = residual.sum()
+    if not mass > 0.0:
+        return target_probs
+    return residual / mass
+
+
 def acceptance_rate(draft_probs: np.ndarray, target_probs: np.ndarray) -> float:
     """alpha = sum_x min(p(x), q(x)): the chance one draft token is accepted."""
     return float(np.minimum(draft_probs, target_probs).sum())
@@ -151,7 +162,7 @@ class RoundResult:
 
 def speculative_round(
     draft_token_ids: list[int],  # [K]
-    draft_probs: np.ndarray,  # [K, V] float32 wire laws the draft sampled from
+    draft_probs: np.ndarray | None,  # [K, V] float32 wire laws the draft sampled from; None: point masses
     target_probs: np.ndarray,  # [K + 1, V] float32 wire laws of the target
     rng: np.random.Generator,
 ) -> RoundResult:
@@ -160,25 +171,34 @@ def speculative_round(
     Emits 1..K+1 tokens. With K = 0 this is plain target sampling from p_1.
     Uniforms are drawn in a fixed order (one per examined position, then one
     for the recovered/bonus draw), so a seeded rng makes the round reproducible.
+
+    draft_probs None: each q_i is the point mass on x_i (a model-free draft), so A = min(1, p(x))
+    and the residual is p without x; the same numbers as the one-hot laws would give, without
+    building and normalising them (a drafted row then costs one pass over p, not six).
     """
     num_draft = len(draft_token_ids)
-    if target_probs.shape[0] != num_draft + 1 or (num_draft and draft_probs.shape[0] != num_draft):
-        raise ValueError(
-            f"shape mismatch: {num_draft} draft tokens, draft_probs {draft_probs.shape}, "
-            f"target_probs {target_probs.shape}"
-        )
+    point_mass = draft_probs is None
+    if target_probs.shape[0] != num_draft + 1 or (num_draft and not point_mass and draft_probs.shape[0] != num_draft):
+        shape = None if point_mass else draft_probs.shape
+        raise ValueError(f"shape mismatch: {num_draft} draft tokens, draft_probs {shape}, target_probs {target_probs.shape}")
     accepted: list[int] = []
     for i, token in enumerate(draft_token_ids):
-        q = normalize(draft_probs[i])
-        p = normalize(target_probs[i])
-        if not q[token] > 0.0:
-            raise InconsistentDraftError(f"draft proposed token {token} with q = 0 at position {i + 1}")
+        if point_mass:
+            weights = np.asarray(target_probs[i], dtype=np.float64)
+            total = weights.sum(axis=-1, keepdims=True)  # as normalize sums them
+            q_token, p_token = np.ones(1), weights[token : token + 1] / total
+        else:
+            q, p = normalize(draft_probs[i]), normalize(target_probs[i])
+            if not q[token] > 0.0:
+                raise InconsistentDraftError(f"draft proposed token {token} with q = 0 at position {i + 1}")
+            q_token, p_token = q[token : token + 1], p[token : token + 1]
         r = rng.random()
         # The same A(x) the exact-algebra tests check, for the one token that was proposed.
-        if r < acceptance_probs(q[token : token + 1], p[token : token + 1])[0]:
+        if r < acceptance_probs(q_token, p_token)[0]:
             accepted.append(token)
             continue
-        return RoundResult(accepted, draw(recovered_probs(q, p), rng.random()), None)
+        recovered = recovered_probs_point_mass(token, weights / total) if point_mass else recovered_probs(q, p)
+        return RoundResult(accepted, draw(recovered, rng.random()), None)
     bonus = draw(target_probs[num_draft], rng.random())
     return RoundResult(accepted, None, bonus)
 

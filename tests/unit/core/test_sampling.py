@@ -17,6 +17,7 @@ from specdec.core.sampling import (
     normalize,
     output_law,
     recovered_probs,
+    recovered_probs_point_mass,
     rng_for,
     sample_token,
     speculative_round,
@@ -134,6 +135,44 @@ def test_a_draw_never_lands_past_a_block_whose_cumulative_sum_rounds_below_its_b
     for u in (1 - 1e-15, float(np.nextafter(1.0, 0.0))):
         token = draw(weights, u)
         assert token < 256 and weights[token] > 0
+
+
+def test_the_point_mass_residual_is_the_one_hot_residual_number_for_number():
+    rng = np.random.default_rng(12)
+    for _ in range(50):
+        p = normalize(rng.random(300) * (rng.random(300) < 0.2))
+        token = int(rng.choice(np.flatnonzero(p))) if rng.random() < 0.8 else 7
+        one_hot = np.zeros(300)
+        one_hot[token] = 1.0
+        assert np.array_equal(recovered_probs_point_mass(token, p), recovered_probs(one_hot, p))
+    point = np.zeros(300)
+    point[4] = 1.0  # p is the point mass on x: a rejection can only come from rounding
+    assert np.array_equal(recovered_probs_point_mass(4, point), point)
+
+
+def test_a_point_mass_round_is_the_one_hot_round_number_for_number():
+    """draft_probs None (a model-free draft) takes the same uniforms to the same tokens as the
+    one-hot laws: accepted with p(x), recovered from p without x, the bonus from p_{K+1}."""
+    rng = np.random.default_rng(11)
+    vocab = 700
+    for case in range(300):
+        k = int(rng.integers(0, 5))
+        if case % 3 == 0:  # greedy: the target's laws are point masses too
+            target = np.zeros((k + 1, vocab), np.float32)
+            target[np.arange(k + 1), rng.integers(0, 4, k + 1)] = 1.0
+        else:  # a few likely tokens, so drafts are often accepted and sometimes p(x) = 0 or 1
+            target = rng.random((k + 1, vocab)).astype(np.float32) * (rng.random((k + 1, vocab)) < 0.01)
+            target[:, :4] += rng.random((k + 1, 4)).astype(np.float32) * (case % 5 != 0)
+            target[:, 4] += 1e-3
+        tokens = [int(t) for t in rng.integers(0, 6, k)]
+        if case % 3:  # often most of p on the drafted token; and weights, not laws (normalised alike)
+            target[np.arange(k), tokens] += 3.0 * (rng.random(k) < 0.5)
+            target *= rng.uniform(0.5, 2.0, (k + 1, 1)).astype(np.float32)
+        one_hot = np.zeros((k, vocab), np.float32)
+        one_hot[np.arange(k), tokens] = 1.0
+        seed = int(rng.integers(1 << 30))
+        dense = speculative_round(tokens, one_hot, target, np.random.default_rng(seed))
+        assert speculative_round(tokens, None, target, np.random.default_rng(seed)) == dense
 
 
 def test_round_emits_between_one_and_k_plus_one_tokens():
