@@ -145,7 +145,7 @@ class _Draft:
 
     tokens: list[int] = field(default_factory=list)  # [k]
     probs: np.ndarray | None = None  # [k, V] float32, None when k = 0 or point_mass
-    point_mass: bool = False  # q_i = one-hot(tokens[i]), built at accept time with the target's V
+    point_mass: bool = False  # q_i = one-hot(tokens[i]), never built: speculative_round takes it so
 
     def laws(self, vocab: int) -> np.ndarray | None:
         """[k, V] float32 laws the tokens were drawn from, None for point masses (`speculative_round`
@@ -354,9 +354,9 @@ class SpeculativeEngine:
         return target_probs
 
     def _vet(self, drafts: list[_Draft], target_laws: list[np.ndarray], stats: Stats) -> list[np.ndarray | None]:
-        """Each draft's laws over the target's vocabulary (None: point masses). A draft that cannot be read over it is
-        dropped (in place, with its target laws cut to the first): that sample's round is K = 0,
-        from the law a K = 0 Verify returns."""
+        """Each draft's laws over the target's vocabulary (None: point masses). A draft that cannot be
+        read over it is dropped (in place, with its target laws cut to the first): that sample's round
+        is K = 0, from the law a K = 0 Verify returns."""
         laws, error = [], None
         for i, (draft, target) in enumerate(zip(drafts, target_laws, strict=True)):
             try:

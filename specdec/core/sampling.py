@@ -178,9 +178,12 @@ def speculative_round(
     """
     num_draft = len(draft_token_ids)
     point_mass = draft_probs is None
-    if target_probs.shape[0] != num_draft + 1 or (num_draft and not point_mass and draft_probs.shape[0] != num_draft):
+    draft_rows = num_draft if point_mass else draft_probs.shape[0]
+    if target_probs.shape[0] != num_draft + 1 or (num_draft and draft_rows != num_draft):
         shape = None if point_mass else draft_probs.shape
-        raise ValueError(f"shape mismatch: {num_draft} draft tokens, draft_probs {shape}, target_probs {target_probs.shape}")
+        raise ValueError(
+            f"shape mismatch: {num_draft} draft tokens, draft_probs {shape}, target_probs {target_probs.shape}"
+        )
     accepted: list[int] = []
     for i, token in enumerate(draft_token_ids):
         if point_mass:
