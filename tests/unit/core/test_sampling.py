@@ -261,12 +261,17 @@ def test_nonfinite_logits_are_a_clear_error(sampling):
     np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0]])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_greedy_takes_the_first_argmax_in_any_dtype(dtype):
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 3.0]], dtype=dtype)
     probs = warp_logits(logits, Sampling(0.0))
     assert probs.dtype == torch.float64
     np.testing.assert_array_equal(probs.numpy(), [[0, 1, 0, 0], [1, 0, 0, 0]])
+    # Rows of a vocabulary's size, ties planted, as a strided view: torch's own argmax rule.
+    wide = torch.randn(6, 2 * 49152, generator=torch.Generator().manual_seed(5)).to(dtype)[:, ::2]
+    wide[2, 100] = wide[2, 40000] = wide[2].max() + 1
+    expected = torch.zeros(wide.shape, dtype=torch.float64).scatter_(-1, wide.argmax(-1, keepdim=True), 1.0)
+    assert torch.equal(warp_logits(wide, Sampling(0.0)), expected)
 
 
 @pytest.mark.parametrize(
