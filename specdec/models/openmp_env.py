@@ -38,6 +38,8 @@ import math
 import os
 from pathlib import Path
 
+from specdec.heap import keep_heap_pages
+
 GOMP_SPINCOUNT_DEFAULT = "50000"
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
@@ -73,3 +75,4 @@ def available_cpus() -> int:
 def set_openmp_defaults() -> None:
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT_DEFAULT)
     os.environ.setdefault("OMP_NUM_THREADS", str(available_cpus()))
+    keep_heap_pages()  # (not OpenMP, but every model process starts here: `specdec.heap`)
