@@ -46,8 +46,8 @@ def _imports(path: Path, known: dict[str, Path]) -> set[str]:
 
 
 def _layer(module: str) -> int:
-    if module == "specdec.settings":
-        return -1  # stdlib only; every service's settings use it
+    if module in ("specdec.settings", "specdec.heap"):
+        return -1  # stdlib only; every service uses them (its settings, its malloc thresholds)
     for rank, prefixes in enumerate(
         [("specdec.core",), ("specdec.models",), ("specdec.rpc", "specdec.v1"), SERVICES, TOOLS]
     ):
