@@ -24,12 +24,6 @@ def _uniforms(seed: int, count: int) -> np.ndarray:
     return np.random.Generator(np.random.PCG64(seed)).random(count)
 
 
-def _draw(probs_wire: np.ndarray, uniform: float) -> int:
-    # Sample from the float32 array we send, normalised as the coordinator will:
-    # the q it scores with is then the very law this token came from.
-    return draw(probs_wire, uniform)
-
-
 def _fed_hidden(request: DraftRequest) -> torch.Tensor:
     """[len(prefix), H]: what each prefix position reads (`draft_artifact.fed_hidden`)."""
     return fed_hidden(torch.from_numpy(np.asarray(request.target_hidden, dtype=np.float32)))
@@ -53,7 +47,9 @@ def draft_task(request: DraftRequest, needs_target_hidden: bool) -> Task:
         )
         if step == 0:
             cached = result.cached_tokens
-        tokens.append(_draw(probs, uniforms[step]))
+        # Drawn from the float32 array we send, normalised as the coordinator will: the q it
+        # scores with is then the very law this token came from.
+        tokens.append(draw(probs, uniforms[step]))
         rows.append(probs)
         if fed is not None:
             fed = torch.cat([fed, result.hidden[-1:]])

@@ -9,8 +9,8 @@ a_i is the acceptance of draft position i given 1..i-1 were accepted (accepted /
 under a weak prior that leans on position i - 1), c_draft the measured draft cost per drafted
 token, verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated
 from the nearest measured one, scaled by the target's forward-cost curve (what the target service
-measured at start, `ModelInfo.forward_cost_ms`); without a curve, the 1-row cost times a default
-factor, never below a measured shorter length.
+measured at start, `ModelInfo.forward_cost_ms`, extended past its rows by its upper half's slope);
+without a curve, the 1-row cost times a default factor, never below a measured shorter length.
 
 In a batch (the target reports the sequences and rows of each Verify's whole step) the cost that
 matters is the shared step's: K draft rows lengthen a step that carries the others' rows too. The
