@@ -25,9 +25,26 @@ def save_tokenizer(directory: Path, vocab: list[str] = VOCAB) -> None:
     fast.save_pretrained(directory)
 
 
+def as_q4_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """The nearest weight that is exactly a GGUF Q4_1 dequantization (w = d * q + m per 32 inputs,
+    q in 0..15, d and m float16), as the packaged target's decoder weights are."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // 32, 32)
+    m = blocks.amin(-1, keepdim=True).half().float()
+    d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.round((blocks - m) / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, 15)
+    return (q * d + m).reshape(n, k)
+
+
 def build_tiny_model(
-    directory: Path, seed: int, logit_scale: float, num_layers: int = 2, vocab: list[str] = VOCAB
+    directory: Path,
+    seed: int,
+    logit_scale: float,
+    num_layers: int = 2,
+    vocab: list[str] = VOCAB,
+    q4_blocks: bool = False,
 ) -> Path:
+    """q4_blocks: every linear's weight (the head's too) rounded to exact 4-bit blocks (`as_q4_blocks`)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -48,6 +65,9 @@ def build_tiny_model(
     with torch.no_grad():
         # Random init gives near-uniform laws; scaling the head makes them peaked and distinct.
         model.lm_head.weight.mul_(logit_scale)
+        for module in model.modules() if q4_blocks else ():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(as_q4_blocks(module.weight))
     model.generation_config = GenerationConfig(eos_token_id=EOS_ID)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)

@@ -78,7 +78,9 @@ def _check_layout(layout: str) -> None:
 class PlannedLinear(torch.nn.Module):
     """nn.Linear's result, computed in the layout its plan gives for the row count."""
 
-    def __init__(self, linear: torch.nn.Linear, plan: LayoutPlan, copies: tuple[str, ...] = COPIES):
+    def __init__(
+        self, linear: torch.nn.Linear, plan: LayoutPlan, copies: tuple[str, ...] = COPIES, int8: bool = False
+    ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
@@ -92,13 +94,22 @@ class PlannedLinear(torch.nn.Module):
         # Plain tensors too: the kernel reads their memory directly (panels.py). A 4- or 8-bit form
         # where the weight is exactly one: the same products, bit for bit, from a sixth or a third of the bytes.
         self.weight_panels = None
-        if PANELS in copies and panels.available():
-            self.weight_panels = panels.pack_compact(weight) or panels.pack(weight)
+        if (int8 or PANELS in copies) and panels.available():
+            compact = panels.pack_compact(weight)
+            if int8 and compact is not None:
+                # Every row count in int8 (kernels/int8.cpp), whatever the plan: another layout's float32
+                # product would make a Verify's rows differ from its decodes by the rounding of x.
+                self.weight_panels = panels.to_int8(compact)
+            elif PANELS in copies:
+                self.weight_panels = compact or panels.pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         layout = self.plan.layout(rows)
-        if layout == TRANSPOSED and self.weight_t is not None:
+        if self.int8:
+            y = panels.product(x.reshape(rows, self.in_features), self.weight_panels, self.out_features)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        elif layout == TRANSPOSED and self.weight_t is not None:
             y = torch.matmul(x, self.weight_t)
         elif layout == WEIGHT_MAJOR:
             y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t()
@@ -119,6 +130,11 @@ class PlannedLinear(torch.nn.Module):
         else:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def int8(self) -> bool:
+        """Whether its products round x to 8-bit blocks (`panels.to_int8`): every row, any layout."""
+        return isinstance(self.weight_panels, panels.INT8_FORMS)
 
     def has_copy(self, layout: str) -> bool:
         copy = {TRANSPOSED: self.weight_t, PACKED: self.weight_packed, PANELS: self.weight_panels}.get(layout)
@@ -145,10 +161,11 @@ def packed_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def use_layout_plans(
-    model: torch.nn.Module, layout: str, copies: tuple[str, ...] = COPIES
+    model: torch.nn.Module, layout: str, copies: tuple[str, ...] = COPIES, int8: bool = False
 ) -> dict[tuple[int, int], LayoutPlan]:
     """Swap every plain float32 CPU nn.Linear of `model` for a PlannedLinear, starting on `layout`
     and keeping the weight copies `copies` (a layout whose copy is missing runs as `linear`); returns the plans, one per weight shape (in_features, out_features), shared by its layers.
+    int8: those whose weights are 4- or 8-bit blocks multiply int8 rows instead, at every row count.
 
     Per shape because the kernels' costs differ by shape: on this CPU at 2 rows, (W @ x^T)^T is the
     fastest form of SmolLM2's 576 -> 1536 projections and the slowest of its 1536 -> 576 one.
@@ -162,7 +179,7 @@ def use_layout_plans(
                 and child.weight.device.type == "cpu"
             ):
                 plan = plans.setdefault((child.in_features, child.out_features), LayoutPlan(layout))
-                setattr(parent, name, PlannedLinear(child, plan, copies))
+                setattr(parent, name, PlannedLinear(child, plan, copies, int8))
     return plans
 
 
@@ -187,7 +204,7 @@ def drop_unused_copies(model: torch.nn.Module) -> int:
         if module.weight_packed is not None and not module.plan.uses(PACKED):
             module.weight_packed = None
             dropped += 1
-        if module.weight_panels is not None and not module.plan.uses(PANELS):
+        if module.weight_panels is not None and not module.plan.uses(PANELS) and not module.int8:
             module.weight_panels = None
             dropped += 1
     return dropped

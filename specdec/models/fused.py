@@ -32,7 +32,8 @@ from specdec.models.cpu_layout import PlannedLinear
 _FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
 _LINEARS += (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-_FORMS = {panels.Q4Panels: 1, panels.Q8Panels: 2}
+_FORMS = {panels.Q4Panels: 1, panels.Q8Panels: 2, panels.Int8Q4Panels: 3, panels.Int8Q8Panels: 4}
+_COMPACT, _INT8 = frozenset({1, 2}), frozenset({3, 4})
 _CACHED = "_specdec_fused_layers"  # the model's FusedLayers, once built
 
 
@@ -46,15 +47,18 @@ class FusedLayers:
     intermediate: int
     eps: float
     compact: bool  # every linear a 4- or 8-bit copy: what the AMX tiles take (prompts, `tiles`)
+    int8: bool = False  # every linear multiplies int8 rows (kernels/int8.cpp): prompts run here too
 
 
 def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
     """(layers.cpp's Linear for this layer: form, three addresses, outputs, bias; the tensors used)."""
     weights = linear.weight_panels
-    if isinstance(weights, panels.Q4Panels):
+    if isinstance(weights, (panels.Q4Panels, panels.Int8Q4Panels)):
         parts = [weights.nibbles, weights.scale, weights.offset]
     elif isinstance(weights, panels.Q8Panels):
         parts = [weights.levels, weights.scale]
+    elif isinstance(weights, panels.Int8Q8Panels):
+        parts = [weights.levels, weights.scale, weights.sums]
     else:
         parts = [weights]
     addresses = [p.data_ptr() for p in parts] + [0] * (3 - len(parts))
@@ -93,21 +97,22 @@ def fused_layers(model) -> FusedLayers | None:
 
 
 def _build(model) -> FusedLayers:
-    rows, keep, compact = [], [], True
+    rows, keep, forms = [], [], set()
     for layer in model.model.layers:
         norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         row = [n.data_ptr() for n in norms]
         keep += norms
         for parent, name in _LINEARS:
             linear_row, parts = _linear_row(getattr(getattr(layer, parent), name))
-            compact = compact and linear_row[0] != 0
+            forms.add(linear_row[0])
             row += linear_row
             keep += parts
         rows.append(row)
     config = model.config
     eps = float(model.model.layers[0].input_layernorm.variance_epsilon)
     table = torch.tensor(rows, dtype=torch.int64)
-    return FusedLayers(table, tuple(keep), config.hidden_size, config.intermediate_size, eps, compact)
+    sizes = (config.hidden_size, config.intermediate_size)
+    return FusedLayers(table, tuple(keep), *sizes, eps, compact=forms <= _COMPACT, int8=forms <= _INT8)
 
 
 def fused_forward(

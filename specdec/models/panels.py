@@ -56,10 +56,13 @@ MAX_ROWS = 128
 # its solo self). SmolLM2's compact linears at 300 rows on an AMX Xeon, MKL from float32 against
 # AMX (ms): 576 -> 1536 1.66 / 0.81, 1536 -> 576 1.63 / 0.98, 576 -> 576 0.58 / 0.42.
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+# What kernels/int8.cpp runs: the integer products of a model whose matmul_dtype is int8 (`Int8Q4Panels`).
+INT8_FLAGS = frozenset({"avx512_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # One library: the products here (and on AMX tiles, kernels/amx.cpp), the attention of ragged steps
 # (kernels/attention.cpp, ragged.py) and whole decoder layers (kernels/layers.cpp, fused.py).
 SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("panels.cpp", "amx.cpp", "attention.cpp", "layers.cpp")
+    Path(__file__).with_name("kernels") / name
+    for name in ("panels.cpp", "amx.cpp", "int8.cpp", "attention.cpp", "layers.cpp")
 )
 PREBUILT_DIR = SOURCES[0].parent
 # x86-64 micro-architecture levels and the /proc/cpuinfo flags each needs (the ones its code uses).
@@ -191,6 +194,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.amx_q4_product.restype = ctypes.c_int
     lib.amx_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr]
     lib.amx_q8_product.restype = ctypes.c_int
+    lib.int8_built.argtypes = []
+    lib.int8_built.restype = ctypes.c_int
+    lib.int8_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
+    lib.int8_q4_product.restype = ctypes.c_int
+    lib.int8_q8_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
+    lib.int8_q8_product.restype = ctypes.c_int
     return lib
 
 
@@ -312,15 +321,79 @@ def pack_compact(weight: torch.Tensor) -> Q4Panels | Q8Panels | None:
     return pack_q4(weight) or pack_q8(weight)
 
 
+@dataclass(frozen=True)
+class Int8Q4Panels:
+    """A Q4Panels' weights laid out for products with int8 rows (kernels/int8.cpp)."""
+
+    nibbles: torch.Tensor  # [P, K / 4, 64] uint8: byte 4j + i of group g, input 4g + i of outputs j / j + 16
+    scale: torch.Tensor  # [P, K / 32, 32] float32: d
+    offset: torch.Tensor  # [P, K / 32, 32] float32: m
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.nibbles.shape[0], self.nibbles.shape[1] * 4, PANEL)
+
+
+@dataclass(frozen=True)
+class Int8Q8Panels:
+    """A Q8Panels' weights laid out for products with int8 rows, with each block's sum of levels."""
+
+    levels: torch.Tensor  # [P, K / 4, 128] int8: byte 64h + 4j + i of group g, input 4g + i of output 16h + j
+    scale: torch.Tensor  # [P, K / 32, 32] float32: d
+    sums: torch.Tensor  # [P, K / 32, 32] int32: sum of q over each block
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.levels.shape[0], self.levels.shape[1] * 4, PANEL)
+
+
+INT8_FORMS = (Int8Q4Panels, Int8Q8Panels)
+
+
+def _in_groups_of_4(levels: torch.Tensor) -> torch.Tensor:
+    """[P, K, L] (L bytes per input) -> [P, K / 4, L * 4]: each byte's 4 consecutive inputs side by side."""
+    count, k, width = levels.shape
+    return levels.reshape(count, k // 4, 4, width).transpose(2, 3).reshape(count, k // 4, width * 4).contiguous()
+
+
+def to_int8(compact: Q4Panels | Q8Panels) -> Int8Q4Panels | Int8Q8Panels:
+    """The same weights laid out for `product` with int8 rows."""
+    if isinstance(compact, Q4Panels):
+        return Int8Q4Panels(_in_groups_of_4(compact.nibbles), compact.scale, compact.offset)
+    count, k, _ = compact.levels.shape
+    halves = compact.levels.reshape(count, k, 2, 16).permute(0, 2, 1, 3)  # [P, 2, K, 16]
+    grouped = _in_groups_of_4(halves.reshape(count * 2, k, 16)).reshape(count, 2, k // 4, 64)
+    sums = compact.levels.to(torch.int32).reshape(count, k // BLOCK, BLOCK, PANEL).sum(2, dtype=torch.int32)
+    return Int8Q8Panels(grouped.transpose(1, 2).reshape(count, k // 4, 128).contiguous(), compact.scale, sums)
+
+
+@functools.lru_cache(maxsize=1)
+def int8_available() -> bool:
+    """Whether int8 products run here: the CPU has AVX-512 VNNI and the kernels loaded."""
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        return False
+    lib = kernel_library()
+    return lib is not None and bool(lib.int8_built()) and INT8_FLAGS <= _cpu_flags()
+
+
 def product(
-    x: torch.Tensor, panels: torch.Tensor | Q4Panels | Q8Panels, out_features: int, lib: ctypes.CDLL | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor | Q4Panels | Q8Panels | Int8Q4Panels | Int8Q8Panels,
+    out_features: int,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, out_features], for W's `pack`, `pack_q4` or `pack_q8` (with
-    this process's kernel unless another `load`ed one is given). All give the same bits."""
+    this process's kernel unless another `load`ed one is given): all give the same bits. From
+    `to_int8`'s forms, each row of x rounded to 8-bit blocks first (kernels/int8.cpp): other bits."""
     if lib is None:
         lib, why = _library()
         if lib is None:
             raise RuntimeError(f"the panels kernel is unavailable: {why}")
+    if isinstance(panels, INT8_FORMS):
+        y, status = _run(x, panels, out_features, "int8 product", lib.int8_q4_product, lib.int8_q8_product)
+        if status != 0:
+            raise MemoryError("the int8 product could not allocate its rows' levels")
+        return y
     kernels = (lib.panels_q4_product, lib.panels_q8_product, lib.panels_product)
     return _run(x, panels, out_features, "panels product", *kernels)[0]
 
@@ -334,11 +407,14 @@ def _run(x: torch.Tensor, panels, out_features: int, what: str, q4, q8, f32=None
         raise ValueError(f"{what} of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if isinstance(panels, Q4Panels):
+    if isinstance(panels, (Q4Panels, Int8Q4Panels)):
         parts = (panels.nibbles.data_ptr(), panels.scale.data_ptr(), panels.offset.data_ptr())
         status = q4(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     elif isinstance(panels, Q8Panels):
         parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
+        status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
+    elif isinstance(panels, Int8Q8Panels):
+        parts = (panels.levels.data_ptr(), panels.scale.data_ptr(), panels.sums.data_ptr())
         status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     else:
         status = f32(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())

@@ -236,12 +236,17 @@ def _cache_laid_out(seg: Segment) -> bool:
     return shared_prefix(seg.kv)[0] is None or all(_prefix_columns(layer) is not None for layer in seg.kv.layers)
 
 
-def _prompts_on_tiles(batch: RaggedBatch, fused) -> bool:
+def _prompts_fused(batch: RaggedBatch, fused) -> bool:
     """Whether the fused layers take this batch of prompts (every segment longer than
-    COMPILED_MAX_ROWS), their products on AMX tiles: every linear compact, a CPU with the tiles."""
-    if not fused.compact or not panels.amx_available():
+    COMPILED_MAX_ROWS): where every linear multiplies int8 rows (as every other row of the model
+    does), or has a compact copy and the CPU AMX tiles for its products (`_prompts_on_tiles`)."""
+    if not (fused.int8 or _prompts_on_tiles(fused)):
         return False
     return all(seg.end - seg.start > COMPILED_MAX_ROWS and _cache_laid_out(seg) for seg in batch.segments)
+
+
+def _prompts_on_tiles(fused) -> bool:
+    return fused.compact and panels.amx_available()
 
 
 def _settle_compiled(batch: RaggedBatch) -> None:
@@ -356,9 +361,10 @@ def ragged_forward(
         short = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
         if short and len(short) < len(batch.segments):
             return _split_forward(model, batch, short, logits_to_keep, want_hidden, **inputs)
-        tiles = not short and _prompts_on_tiles(batch, fused)  # all short, or all prompts on tiles
-        if short or tiles:
+        prompts = not short and _prompts_fused(batch, fused)  # all short, or all prompts here
+        if short or prompts:
             batch = _compile_segments(batch, model.config, short or list(range(len(batch.segments))))
+            tiles = prompts and _prompts_on_tiles(fused)
             out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, tiles=tiles, **inputs)
             _settle_compiled(batch)
             return out
@@ -381,7 +387,7 @@ def ragged_forward(
 def _split_forward(model, batch: RaggedBatch, short: list[int], logits_to_keep, want_hidden: bool, **inputs):
     """A batch of short segments and others (prompts, a prompt's rest after a shared prefix): the
     short ones in the fused layers, the others as they would run alone (in transformers' forward,
-    or the fused layers on AMX tiles: `_prompts_on_tiles`), never in one call with short rows."""
+    or the fused layers: `_prompts_fused`), never in one call with short rows."""
     parts = [short, [i for i in range(len(batch.segments)) if i not in set(short)]]
     owner = torch.empty(batch.rows, dtype=torch.long)  # row -> its part
     local = torch.empty(batch.rows, dtype=torch.long)  # row -> its row within the part

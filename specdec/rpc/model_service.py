@@ -24,7 +24,7 @@ from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-MATMUL_DTYPES = ("float32", "bfloat16")
+MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ class ModelServerSettings(ServerTlsSettings):
         "float32",
         "MATMUL_DTYPE",
         "float32 models on CPU: bfloat16 = the decoder layers' linear products in bfloat16 (for CPUs with AMX; "
-        "each position computed as a one-token decode computes it, so the law stays exact) | float32",
+        "each position computed as a one-token decode computes it, so the law stays exact) | int8 = every "
+        "product of a 4- or 8-bit (GGUF) weight with its rows rounded to 8-bit blocks, llama.cpp's arithmetic "
+        "(AVX-512 VNNI; another model's numerics, ~3x cheaper rows) | float32",
     )
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
@@ -122,8 +124,8 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"linear_layout must be auto or one of {', '.join(LAYOUTS)}, got {self.linear_layout!r}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
-        if self.matmul_dtype == "bfloat16" and self.compile == "on":
-            raise ValueError("matmul_dtype bfloat16 runs eagerly: set compile to off or auto")
+        if self.matmul_dtype != "float32" and self.compile == "on":
+            raise ValueError(f"matmul_dtype {self.matmul_dtype} runs eagerly: set compile to off or auto")
         if not 0 <= self.calibrate_max_rows <= 64:
             raise ValueError(f"calibrate_max_rows must be in [0, 64], got {self.calibrate_max_rows}")
         if self.compile not in ("auto", "on", "off") or self.static_cache_len < 1:
@@ -262,7 +264,11 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
         block = runner.on_model_thread(use_bf16_forwards, runner, role == "target")
         matmul_dtype = "bfloat16" if block else ""
         log.info("%s decoder linears in bfloat16, rows in blocks of %d", role, block)
-    costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows)
+    int8 = int8_matmuls_wanted(settings.matmul_dtype, runner)
+    costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows, int8=int8)
+    if int8:
+        matmul_dtype = "int8"
+        log.info("%s: %d linears multiply int8 rows", role, int8_linears(runner.model))
     if not settings.torch_threads and runner.device.type == "cpu":
         runner.governor = ThreadGovernor(thread_candidates(threads), set_torch_threads, torch.get_num_threads)
         for rows, seconds in enumerate(costs.seconds if costs is not None else (), start=1):
@@ -298,6 +304,37 @@ def bf16_matmuls_wanted(setting: str, runner) -> bool:
         # Measured on an AVX-512 EPYC with avx512_bf16: within noise of float32 (docs/performance.md, bfloat16 products).
         log.warning("matmul_dtype bfloat16 on a CPU without AMX tiles: expect no gain over float32")
     return True
+
+
+def int8_matmuls_wanted(setting: str, runner) -> bool:
+    """Whether a service's MATMUL_DTYPE setting is int8 (kernels/int8.cpp), which needs a float32
+    model running eagerly on a CPU with AVX-512 VNNI, with weights that are 4- or 8-bit blocks."""
+    import torch
+
+    from specdec.models import panels
+    from specdec.models.runner import ModelRunner
+
+    if setting != "int8":
+        return False
+    if not (
+        type(runner) is ModelRunner
+        and runner.device.type == "cpu"
+        and next(runner.model.parameters()).dtype == torch.float32
+    ):
+        raise ValueError("matmul_dtype int8 needs a float32 model running eagerly on CPU")
+    if not panels.int8_available():
+        raise ValueError("matmul_dtype int8 needs a CPU with AVX-512 VNNI and the compiled kernels (see the log)")
+    return True
+
+
+def int8_linears(model) -> int:
+    """How many of model's linears multiply int8 rows; ValueError when none can (no 4- or 8-bit weights)."""
+    from specdec.models.cpu_layout import PlannedLinear
+
+    count = sum(1 for m in model.modules() if isinstance(m, PlannedLinear) and m.int8)
+    if count == 0:
+        raise ValueError("matmul_dtype int8 needs weights that are 4- or 8-bit blocks (GGUF Q4_1 / Q8_0): none here")
+    return count
 
 
 class ModelServicerBase:

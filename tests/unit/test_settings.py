@@ -132,9 +132,11 @@ def test_the_batching_settings_reach_the_scheduler():
 def test_the_matmul_dtype_setting_and_what_it_refuses(capsys):
     assert load_settings(TargetSettings, [], {}).matmul_dtype == "float32"
     assert load_settings(TargetSettings, [], {"SPECDEC_TARGET_MATMUL_DTYPE": "bfloat16"}).matmul_dtype == "bfloat16"
+    assert load_settings(TargetSettings, ["--matmul-dtype", "int8"], {}).matmul_dtype == "int8"
     with pytest.raises(SystemExit):
-        load_settings(TargetSettings, ["--matmul-dtype", "int8"], {})
-    assert "matmul_dtype must be one of float32, bfloat16, got 'int8'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        load_settings(DraftSettings, ["--matmul-dtype", "bfloat16", "--compile", "on"], {})
-    assert "matmul_dtype bfloat16 runs eagerly" in capsys.readouterr().err
+        load_settings(TargetSettings, ["--matmul-dtype", "int4"], {})
+    assert "matmul_dtype must be one of float32, bfloat16, int8, got 'int4'" in capsys.readouterr().err
+    for dtype in ("bfloat16", "int8"):
+        with pytest.raises(SystemExit):
+            load_settings(DraftSettings, ["--matmul-dtype", dtype, "--compile", "on"], {})
+        assert f"matmul_dtype {dtype} runs eagerly" in capsys.readouterr().err

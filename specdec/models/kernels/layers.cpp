@@ -28,14 +28,19 @@ extern "C" int amx_q4_product(const float* x, long M, long K, const unsigned cha
                               const float* offset, long N, float* y);
 extern "C" int amx_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale, long N,
                               float* y);
+extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const float* scale,
+                               const float* offset, long N, float* y);
+extern "C" int int8_q8_product(const float* x, long M, long K, const signed char* packed, const float* scale,
+                               const int* sums, long N, float* y);
 #define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
                                  long kv_heads, long dim, float scale, float* out);
 
 // One linear layer as fused.py describes it (6 int64): its panels' form (0 float32, 1 4-bit,
-// 2 8-bit blocks), up to three buffer addresses (float32: panels; 4-bit: nibbles, scales,
-// offsets; 8-bit: levels, scales), its output count and its bias's address (0: none).
+// 2 8-bit blocks; 3 / 4 the same laid out for int8 rows, int8.cpp), up to three buffer addresses
+// (float32: panels; 4-bit: nibbles, scales, offsets; 8-bit: levels, scales; int8 8-bit: levels,
+// scales, block sums), its output count and its bias's address (0: none).
 struct Linear {
     long form, a, b, c, out, bias;
 };
@@ -46,11 +51,12 @@ struct Layer {
     Linear q, k, v, o, gate, up, down;
 };
 
-enum { F32 = 0, Q4 = 1, Q8 = 2 };
+enum { F32 = 0, Q4 = 1, Q8 = 2, INT8_Q4 = 3, INT8_Q8 = 4 };
 
 // tiles: the 4- and 8-bit forms on AMX tiles (amx.cpp; a prompt's rows, see decoder_layers),
-// panels.cpp where amx.cpp could not allocate its buffers.
-static void product(const Linear& w, const float* x, long rows, long in, float* y, long tiles) {
+// panels.cpp where amx.cpp could not allocate its buffers. 1 when an int8 product could not
+// allocate its rows' levels (its output unwritten), else 0.
+static int product(const Linear& w, const float* x, long rows, long in, float* y, long tiles) {
     switch (w.form) {
         case F32: panels_product(x, rows, in, (const float*)w.a, w.out, y); break;
         case Q4:
@@ -63,10 +69,19 @@ static void product(const Linear& w, const float* x, long rows, long in, float* 
             if (tiles && amx_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y) == 0) break;
             panels_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y);
             break;
+        case INT8_Q4:
+            if (int8_q4_product(x, rows, in, (const unsigned char*)w.a, (const float*)w.b, (const float*)w.c, w.out, y))
+                return 1;
+            break;
+        case INT8_Q8:
+            if (int8_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, (const int*)w.c, w.out, y))
+                return 1;
+            break;
     }
     if (w.bias)
         for (long r = 0; r < rows; r++)
             for (long n = 0; n < w.out; n++) y[r * w.out + n] += ((const float*)w.bias)[n];
+    return 0;
 }
 
 // y = weight * x / sqrt(mean(x^2) + eps), row by row; the squares summed in 8 interleaved partial
@@ -116,7 +131,7 @@ static void add(float* into, const float* from, long count) {
 // ragged_attention table (its cache buffers reserved for the new rows); tiles: the products on AMX
 // tiles (a call of prompts only, whose rows then take amx.cpp's float32 sums: never set for a call
 // with decode or Verify rows, which keep panels.cpp's bits). Returns 0, or -1 when a scratch buffer
-// could not be allocated (h is then unchanged or partly updated: discard it).
+// (or an int8 product's) could not be allocated (h is then unchanged or partly updated: discard it).
 extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, const long* layers, long count_layers,
                               float eps, const float* cos, const float* sin, const long* tables, long segments,
                               long heads, long kv_heads, long dim, float scale, long tiles) {
@@ -127,25 +142,26 @@ extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, cons
     if (scratch == nullptr) return -1;
     float *normed = scratch, *q = normed + rows * hidden, *k = q + rows * q_width, *v = k + rows * kv_width;
     float *attended = v + rows * kv_width, *gate = attended + rows * q_width, *up = gate + rows * widest;
-    for (long l = 0; l < count_layers; l++) {
+    int failed = 0;
+    for (long l = 0; l < count_layers && !failed; l++) {
         const Layer& w = ((const Layer*)layers)[l];
         rms_norm(h, rows, hidden, (const float*)w.input_norm, eps, normed);
-        product(w.q, normed, rows, hidden, q, tiles);
-        product(w.k, normed, rows, hidden, k, tiles);
-        product(w.v, normed, rows, hidden, v, tiles);
+        failed |= product(w.q, normed, rows, hidden, q, tiles);
+        failed |= product(w.k, normed, rows, hidden, k, tiles);
+        failed |= product(w.v, normed, rows, hidden, v, tiles);
         rotate(q, rows, heads, dim, cos, sin);
         rotate(k, rows, kv_heads, dim, cos, sin);
         ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * SEGMENT_COLUMNS,
                          segments, heads, kv_heads, dim, scale, attended);
-        product(w.o, attended, rows, q_width, gate, tiles);  // (gate as scratch: [rows, hidden] fits)
+        failed |= product(w.o, attended, rows, q_width, gate, tiles);  // (gate as scratch: [rows, hidden] fits)
         add(h, gate, rows * hidden);
         rms_norm(h, rows, hidden, (const float*)w.post_norm, eps, normed);
-        product(w.gate, normed, rows, hidden, gate, tiles);
-        product(w.up, normed, rows, hidden, up, tiles);
+        failed |= product(w.gate, normed, rows, hidden, gate, tiles);
+        failed |= product(w.up, normed, rows, hidden, up, tiles);
         silu_times(gate, up, rows * inter);
-        product(w.down, gate, rows, inter, up, tiles);  // (up as scratch: [rows, hidden] fits)
+        failed |= product(w.down, gate, rows, inter, up, tiles);  // (up as scratch: [rows, hidden] fits)
         add(h, up, rows * hidden);
     }
     free(scratch);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -1,4 +1,5 @@
-"""What a model service's MATMUL_DTYPE setting applies to (`model_service.bf16_matmuls_wanted`)."""
+"""What a model service's MATMUL_DTYPE setting applies to (`model_service.bf16_matmuls_wanted`,
+`int8_matmuls_wanted`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from specdec.models.bf16_matmul import bf16_supported
 from specdec.models.runner import ModelRunner, SessionKVCache
-from specdec.rpc.model_service import bf16_matmuls_wanted
+from specdec.models import panels
+from specdec.rpc.model_service import bf16_matmuls_wanted, int8_linears, int8_matmuls_wanted
 
 
 def _runner(dtype=torch.float32) -> ModelRunner:
@@ -29,6 +31,22 @@ def test_bfloat16_products_need_an_eager_float32_cpu_model():
     assert bf16_matmuls_wanted("bfloat16", _runner())
     with pytest.raises(ValueError, match="needs a float32 model running eagerly on CPU"):
         bf16_matmuls_wanted("bfloat16", _runner(torch.bfloat16))
+
+
+@pytest.mark.skipif(not panels.int8_available(), reason="no AVX-512 VNNI on this CPU")
+def test_int8_products_need_an_eager_float32_cpu_model_with_4_or_8_bit_weights():
+    assert not int8_matmuls_wanted("float32", _runner())
+    assert int8_matmuls_wanted("int8", _runner())
+    with pytest.raises(ValueError, match="needs a float32 model running eagerly on CPU"):
+        int8_matmuls_wanted("int8", _runner(torch.bfloat16))
+    with pytest.raises(ValueError, match="weights that are 4- or 8-bit blocks"):
+        int8_linears(_runner().model)  # random weights: nothing to multiply in int8
+
+
+def test_int8_products_say_so_where_the_cpu_lacks_them(monkeypatch):
+    monkeypatch.setattr(panels, "int8_available", lambda: False)
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        int8_matmuls_wanted("int8", _runner())
 
 
 def test_a_service_loads_its_model_on_a_thread_that_holds_no_openmp_team(tiny_model_dirs, monkeypatch):

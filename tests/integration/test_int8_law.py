@@ -1,0 +1,84 @@
+"""The law through the REAL services with int8 products (MATMUL_DTYPE=int8 on the target): a tiny
+target whose every linear is exactly 4-bit blocks, so every product rounds its rows to 8-bit blocks
+(kernels/int8.cpp) and a Verify's rows and batched sessions must still compute what one-token
+decodes compute for the coordinator's output to follow the target's law. The exact law is
+enumerated from the served (swapped) target with plain full forwards, as in test_lossless_law;
+same significance, power stated by the fit."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+from law import exact_sequence_law, fit_to_law, sample_counts
+from service_stack import start_stack, stop_stack
+from tiny_models import build_tiny_model
+
+from specdec.client import build_request
+from specdec.core.sampling import Sampling
+from specdec.models import panels
+
+pytestmark = pytest.mark.skipif(not panels.int8_available(), reason="no AVX-512 VNNI on this CPU")
+
+SIGNIFICANCE = 0.001
+PROMPT = [3, 1, 4]
+LENGTH = 3
+LOGIT_SCALE = 15.0  # peaked laws, as the session's tiny target (conftest)
+
+
+@pytest.fixture(scope="module")
+def int8_loaded(tiny_model_dirs, tmp_path_factory):
+    from draft_service.settings import DraftSettings
+    from specdec.rpc.model_service import load_model
+    from specdec.settings import load_settings
+    from target_service.settings import TargetSettings
+
+    target = build_tiny_model(tmp_path_factory.mktemp("q4") / "target", 0, LOGIT_SCALE, q4_blocks=True)
+    settings = load_settings(TargetSettings, [], {}, model=str(target), matmul_dtype="int8")
+    draft = load_model(load_settings(DraftSettings, [], {}, model=tiny_model_dirs["draft"]), "draft")
+    return {"draft": draft, "target": load_model(settings, "target"), "target_dir": str(target)}
+
+
+@pytest.fixture(scope="module")
+def int8_stub(int8_loaded, redis_url):
+    from specdec.v1 import coordinator_pb2_grpc
+
+    stack = start_stack(int8_loaded, int8_loaded["target_dir"], redis_url)
+    channel = stack.channel()
+    yield coordinator_pb2_grpc.CoordinatorStub(channel)
+    channel.close()
+    stop_stack(stack)
+
+
+def test_the_target_reports_and_runs_int8_products(int8_loaded):
+    from specdec.models.cpu_layout import PlannedLinear
+
+    assert int8_loaded["target"].info.matmul_dtype == "int8"
+    linears = [m for m in int8_loaded["target"].runner.model.modules() if isinstance(m, PlannedLinear)]
+    assert linears and all(m.int8 for m in linears)
+
+
+def test_pipeline_samples_follow_the_int8_target_law(int8_stub, int8_loaded, record_property):
+    total, sampling = 14_000, Sampling(1.0)
+    law = exact_sequence_law(int8_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
+    counts, drafted, accepted, recovered = sample_counts(
+        int8_stub, PROMPT, LENGTH, 3, sampling, total, LENGTH, seed=zlib.crc32(b"int8-K3-T1") % 997
+    )
+    fit = fit_to_law("int8-K3-T1", counts, law, SIGNIFICANCE, drafted, accepted, recovered)
+    record_property("summary", fit.summary)
+    assert total >= fit.needed, fit.summary
+    assert recovered > total * 0.1, fit.summary
+    assert fit.p_value > SIGNIFICANCE, fit.summary
+
+
+def test_greedy_speculation_equals_k0_with_int8_products(int8_stub):
+    prompt = [(3 * i + 1) % 8 for i in range(12)]
+    runs = {
+        k: int8_stub.Generate(
+            build_request(prompt, max_new_tokens=40, temperature=0, num_speculative_tokens=k, ignore_eos=True),
+            timeout=120,
+        )
+        for k in (0, 4)
+    }
+    assert list(runs[4].completions[0].token_ids) == list(runs[0].completions[0].token_ids)
+    assert runs[4].stats.drafted_tokens > 0

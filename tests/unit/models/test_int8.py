@@ -1,0 +1,186 @@
+"""The int8 products (kernels/int8.cpp, MATMUL_DTYPE=int8): llama.cpp's arithmetic for 4- and 8-bit
+weights, computed as stated (x rounded per block of 32, exact integer sums, the scales applied
+block by block), each row's result independent of the rows and threads beside it, and a model
+whose every such product runs so gives a batched step and a Verify the bits of its solo decodes.
+The product tests need AVX-512 VNNI (AMD Zen 4, Intel Ice Lake and later) and skip elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import panels
+from tests.unit.models.test_panels import _q4_weight, _q8_weight, assert_rows_alone
+
+needs_int8 = pytest.mark.skipif(not panels.int8_available(), reason="no AVX-512 VNNI on this CPU")
+Q4_TOPS, Q8_TOPS = tuple(range(15, 0, -1)), (127, 126, 128, 125)
+FORMS = {"q4": (_q4_weight, dict(offset=True, tops=Q4_TOPS, low=0, high=15)), "q8": (_q8_weight, {})}
+
+
+def _levels(form: str, weight: torch.Tensor):
+    if form == "q4":
+        return panels._block_levels(weight, offset=True, tops=Q4_TOPS, low=0, high=15)
+    return panels._block_levels(weight, offset=False, tops=Q8_TOPS, low=-128, high=127)
+
+
+def stated_arithmetic(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """What the kernel says it computes, in float64 from the same roundings of x: per block of 32,
+    dx = max|x| / 127, qx = round(x / dx), y += d * dx * sum(q qx) + m * dx * sum(qx)."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    top = blocks.abs().amax(-1)
+    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))  # float32, as the kernel
+    qx = torch.round(blocks * inverse[..., None]).double()
+    dx = (top / 127.0).double()
+    sums = torch.einsum("rbi,nbi->rnb", qx, q.double().reshape(q.shape[0], k // 32, 32))
+    return (d.double() * (dx[:, None, :] * sums) + m.double() * (dx * qx.sum(-1))[:, None, :]).sum(-1)
+
+
+@needs_int8
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(("n", "k"), [(100, 64), (1536, 576), (40, 1536), (33, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 7, 13])
+def test_the_product_is_the_stated_arithmetic(form, n, k, rows):
+    """Within float32 rounding of the stated sums (a wrong layout, sign offset, scale or block
+    order is off by orders of magnitude), and within int8 rounding of the float32 product."""
+    weight = FORMS[form][0](n, k, rows + n)
+    q, d, m = _levels(form, weight)
+    torch.manual_seed(rows + k)
+    x = torch.randn(rows, k)
+    x[0, :32] = 0  # a block of zeros: dx = 0, nothing added
+    got = panels.product(x, panels.to_int8(panels.pack_compact(weight)), n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    stated = stated_arithmetic(x, q, d, m)
+    assert float((got.double() - stated).abs().max() / stated.abs().max()) < 1e-6
+    exact = x.double() @ weight.double().T
+    assert float((got.double() - exact).abs().max() / exact.abs().max()) < 0.03
+
+
+@needs_int8
+def test_an_8_bit_weights_sign_survives_the_unsigned_rows():
+    """VPDPBUSD multiplies unsigned bytes: 8-bit rows go as qx + 128, and the block sums take it back."""
+    weight = -_q8_weight(32, 64, 1).abs()  # every weight negative, so 128 * sum(q) is large
+    x = torch.ones(1, 64)
+    got = panels.product(x, panels.to_int8(panels.pack_q8(weight)), 32)
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-6)
+
+
+@needs_int8
+@pytest.mark.parametrize("form", FORMS)
+def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(form):
+    """Bit for bit: so a Verify's rows equal their one-row decodes in every product."""
+    weight = FORMS[form][0](1536, 576, 2)
+    packed = panels.to_int8(panels.pack_compact(weight))
+    torch.manual_seed(0)
+    assert_rows_alone(lambda rows: panels.product(rows, packed, 1536), torch.randn(19, 576))
+
+
+@needs_int8
+def test_the_int8_copy_is_as_small_as_the_compact_one():
+    compact = panels.pack_q4(_q4_weight(100, 576, 0))
+    int8 = panels.to_int8(compact)
+    assert int8.nibbles.numel() == compact.nibbles.numel() and int8.shape == compact.shape
+    with pytest.raises(ValueError, match="int8 product"):
+        panels.product(torch.randn(2, 575), int8, 100)
+
+
+def _compact_model(layers: int = 2):
+    """A Llama of SmolLM2's widths whose every linear is exactly 4-bit blocks, its linears on int8."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.cpu_layout import use_layout_plans
+    from specdec.models.layouts import PANELS
+    from tests.tiny_models import as_q4_blocks
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(as_q4_blocks(module.weight))
+    use_layout_plans(model, PANELS, int8=True)
+    return model
+
+
+@needs_int8
+def test_every_linear_of_a_4_bit_model_multiplies_int8_rows_at_every_row_count():
+    from specdec.models.cpu_layout import PlannedLinear, drop_unused_copies
+
+    model = _compact_model()
+    linears = [m for m in model.modules() if isinstance(m, PlannedLinear)]
+    assert len(linears) == 2 * 7 + 1 and all(m.int8 for m in linears)
+    drop_unused_copies(model)  # the plans name no layout it uses: its copy is its only one
+    assert all(m.int8 for m in linears)
+    head = model.lm_head
+    x = torch.randn(200, 576)  # past panels.MAX_ROWS: no float32 layout takes over
+    assert torch.equal(head(x)[150:151], head(x[150:151]))
+
+
+@needs_int8
+def test_batched_steps_verifies_and_prompts_give_each_row_its_solo_decode_bits():
+    """The fused layers and the head on int8: a decode batched with others, a Verify's rows and a
+    prompt's last rows all give what one-row decodes of the same positions give."""
+    from specdec.models.fused import fused_layers
+    from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
+
+    model = _compact_model()
+    assert fused_layers(model).int8 and not fused_layers(model).compact
+    batched, alone = ModelRunner(model, SessionKVCache(8, 10_000)), ModelRunner(model, SessionKVCache(8, 10_000))
+    prompts = {"a": list(range(1, 30)), "b": [7, 8, 9], "c": [10, 11, 12, 13]}  # "a": past the short rows
+    for runner in (batched, alone):
+        for session, tokens in prompts.items():
+            runner.last_logits(session, tokens, 1)
+    items = [
+        StepItem("a", [*prompts["a"], 20], 1),  # a decode
+        StepItem("b", [*prompts["b"], 21, 22, 23, 24], 5),  # a Verify of K = 4
+        StepItem("c", [*prompts["c"], 25, 26], 3),
+    ]
+    for got, item in zip(batched.step(items), items, strict=True):
+        assert torch.equal(got.logits, alone.last_logits(item.session_id, item.token_ids, item.num_last).logits)
+    # One decode at a time along the Verify's tokens: the same bits as its rows.
+    verify = alone.last_logits("v", [*prompts["b"], 21, 22, 23, 24], 5).logits
+    for i in range(5):
+        decode = alone.last_logits("d", [*prompts["b"], 21, 22, 23, 24][: len(prompts["b"]) + i], 1).logits
+        assert torch.equal(decode[-1], verify[i])
+    # A prompt's rows (the fused layers' prompt path) against decodes of the same positions.
+    prompt = alone.last_logits("p", prompts["a"], 3).logits
+    for i in range(3):
+        decode = alone.last_logits("q", prompts["a"][: len(prompts["a"]) - 2 + i], 1).logits
+        assert torch.equal(decode[-1], prompt[i])
+
+
+@needs_int8
+def test_the_fused_layers_compute_what_transformers_forward_computes_on_int8():
+    """The fused layers' int8 forms (layers.cpp) against the same model's plain forward, whose
+    PlannedLinears run the same products one by one: the same logits but for attention's float
+    noise, which can move an 8-bit rounding of x (a wrong form or layout is off everywhere)."""
+    from specdec.models.runner import ModelRunner, SessionKVCache
+
+    model = _compact_model()
+    runner = ModelRunner(model, SessionKVCache(8, 10_000))
+    tokens = [5, 9, 2, 33, 17, 8]
+    fused = torch.stack([runner.last_logits("s", tokens[: i + 1], 1).logits[-1] for i in range(len(tokens))])
+    with torch.no_grad():
+        plain = model(torch.tensor([tokens])).logits[0]
+    assert float((fused - plain).abs().max() / plain.abs().max()) < 1e-2
+
+
+@needs_int8
+def test_a_prompt_of_an_int8_model_runs_in_the_fused_layers(monkeypatch):
+    """Not in transformers' forward: its ~40 tensor ops a layer cost a third of a prompt's time."""
+    from specdec.models import ragged
+    from specdec.models.runner import ModelRunner, SessionKVCache
+
+    calls = []
+    fused_forward = ragged.fused_forward
+    monkeypatch.setattr(ragged, "fused_forward", lambda *a, **kw: calls.append(kw["tiles"]) or fused_forward(*a, **kw))
+    ModelRunner(_compact_model(1), SessionKVCache(8, 10_000)).last_logits("s", list(range(1, 40)), 1)
+    assert calls == [False]  # fused, and never on AMX tiles (another arithmetic)
