@@ -725,6 +725,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--address", help="bench this running coordinator (grpc mode; one drafter: the one it serves)")
     p.add_argument("--target", default=os.environ.get("SPECDEC_TARGET_MODEL", stack.DEFAULT_TARGET))
     p.add_argument(
+        "--matmul-dtype",
+        default=os.environ.get(stack.MATMUL_DTYPE_ENV, stack.DEFAULT_MATMUL_DTYPE),
+        help=f"the target's MATMUL_DTYPE, as `make run` sets it (default {stack.DEFAULT_MATMUL_DTYPE}: int8 "
+        "products where the CPU and weights allow, else float32; every K of a run alike)",
+    )
+    p.add_argument(
         "--draft",
         default=os.environ.get("SPECDEC_DRAFT_MODEL", DISTILLED_DRAFT),
         help="the draft of the `model` drafter",
@@ -825,6 +831,7 @@ def run_info(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], mode
     return {
         "type": "run",
         "target": args.target,
+        "matmul_dtype": args.matmul_dtype,
         "drafters": {d.label: {"model": d.model, "lookup": d.lookup} for d in drafters},
         "modes": modes,
         "ks": plan.ks,
@@ -848,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench.py: error: {message}")
 
     plan, drafters, modes = build_plan(args, error)
+    os.environ[stack.MATMUL_DTYPE_ENV] = args.matmul_dtype  # the in-process target and any stack started
     set_openmp_defaults()  # before torch loads (the in-process mode loads it here, as the services do)
     result = run(args, plan, drafters, modes)
     objects = [run_info(args, plan, drafters, modes)]
@@ -861,7 +869,8 @@ def main(argv: list[str] | None = None) -> int:
     info = objects[0]
     print(
         f"\n{info['conversations']} conversations x {plan.repeats}, up to {plan.max_new_tokens} tokens per turn, "
-        f"chat template, prompts {plan.prompt_cache}, target {args.target}, {hostinfo.summary(info)}, "
+        f"chat template, prompts {plan.prompt_cache}, target {args.target} (MATMUL_DTYPE {args.matmul_dtype}), "
+        f"{hostinfo.summary(info)}, "
         f"background load {args.background_load}"
     )
     print(format_table(result))

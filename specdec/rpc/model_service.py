@@ -24,7 +24,7 @@ from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-MATMUL_DTYPES = ("float32", "bfloat16", "int8")
+MATMUL_DTYPES = ("float32", "bfloat16", "int8", "auto")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ class ModelServerSettings(ServerTlsSettings):
         "float32 models on CPU: bfloat16 = the decoder layers' linear products in bfloat16 (for CPUs with AMX; "
         "each position computed as a one-token decode computes it, so the law stays exact) | int8 = every "
         "product of a 4- or 8-bit (GGUF) weight with its rows rounded to 8-bit blocks, llama.cpp's arithmetic "
-        "(AVX-512 VNNI; another model's numerics, ~3x cheaper rows) | float32",
+        "(AVX-512 VNNI; another model's numerics, ~3x cheaper rows) | auto = int8 where the CPU and the "
+        "weights allow it, else float32 | float32",
     )
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
@@ -124,7 +125,7 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"linear_layout must be auto or one of {', '.join(LAYOUTS)}, got {self.linear_layout!r}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
-        if self.matmul_dtype != "float32" and self.compile == "on":
+        if self.matmul_dtype in ("bfloat16", "int8") and self.compile == "on":
             raise ValueError(f"matmul_dtype {self.matmul_dtype} runs eagerly: set compile to off or auto")
         if not 0 <= self.calibrate_max_rows <= 64:
             raise ValueError(f"calibrate_max_rows must be in [0, 64], got {self.calibrate_max_rows}")
@@ -266,9 +267,9 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
         log.info("%s decoder linears in bfloat16, rows in blocks of %d", role, block)
     int8 = int8_matmuls_wanted(settings.matmul_dtype, runner)
     costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows, int8=int8)
-    if int8:
+    if int8 and (count := int8_linears(runner.model, required=settings.matmul_dtype == "int8")):
         matmul_dtype = "int8"
-        log.info("%s: %d linears multiply int8 rows", role, int8_linears(runner.model))
+        log.info("%s: %d linears multiply int8 rows (MATMUL_DTYPE %s)", role, count, settings.matmul_dtype)
     if not settings.torch_threads and runner.device.type == "cpu":
         runner.governor = ThreadGovernor(thread_candidates(threads), set_torch_threads, torch.get_num_threads)
         for rows, seconds in enumerate(costs.seconds if costs is not None else (), start=1):
@@ -307,32 +308,37 @@ def bf16_matmuls_wanted(setting: str, runner) -> bool:
 
 
 def int8_matmuls_wanted(setting: str, runner) -> bool:
-    """Whether a service's MATMUL_DTYPE setting is int8 (kernels/int8.cpp), which needs a float32
-    model running eagerly on a CPU with AVX-512 VNNI, with weights that are 4- or 8-bit blocks."""
+    """Whether a service's MATMUL_DTYPE setting asks for int8 products (kernels/int8.cpp) here: they
+    need a float32 model running eagerly on a CPU with AVX-512 VNNI (int8 without them is a
+    ValueError; auto then means float32)."""
     import torch
 
     from specdec.models import panels
     from specdec.models.runner import ModelRunner
 
-    if setting != "int8":
+    if setting not in ("int8", "auto"):
         return False
-    if not (
+    eager_cpu = (
         type(runner) is ModelRunner
         and runner.device.type == "cpu"
         and next(runner.model.parameters()).dtype == torch.float32
-    ):
+    )
+    if setting == "auto":
+        return eager_cpu and panels.int8_available()
+    if not eager_cpu:
         raise ValueError("matmul_dtype int8 needs a float32 model running eagerly on CPU")
     if not panels.int8_available():
         raise ValueError("matmul_dtype int8 needs a CPU with AVX-512 VNNI and the compiled kernels (see the log)")
     return True
 
 
-def int8_linears(model) -> int:
-    """How many of model's linears multiply int8 rows; ValueError when none can (no 4- or 8-bit weights)."""
+def int8_linears(model, required: bool = True) -> int:
+    """How many of model's linears multiply int8 rows; a ValueError when `required` and none can
+    (no weight is 4- or 8-bit blocks)."""
     from specdec.models.cpu_layout import PlannedLinear
 
     count = sum(1 for m in model.modules() if isinstance(m, PlannedLinear) and m.int8)
-    if count == 0:
+    if count == 0 and required:
         raise ValueError("matmul_dtype int8 needs weights that are 4- or 8-bit blocks (GGUF Q4_1 / Q8_0): none here")
     return count
 

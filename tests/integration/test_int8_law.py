@@ -82,3 +82,13 @@ def test_greedy_speculation_equals_k0_with_int8_products(int8_stub):
     }
     assert list(runs[4].completions[0].token_ids) == list(runs[0].completions[0].token_ids)
     assert runs[4].stats.drafted_tokens > 0
+
+
+def test_auto_takes_int8_only_where_the_weights_are_blocks(tiny_model_dirs, int8_loaded):
+    from specdec.rpc.model_service import load_model
+    from specdec.settings import load_settings
+    from target_service.settings import TargetSettings
+
+    for model, expected in ((int8_loaded["target_dir"], "int8"), (tiny_model_dirs["target"], "")):
+        settings = load_settings(TargetSettings, [], {}, model=model, matmul_dtype="auto", calibrate_max_rows=0)
+        assert load_model(settings, "target").info.matmul_dtype == expected

@@ -33,11 +33,14 @@ def _shallow_draft(target_model, num_layers: int):
     return draft.eval()
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8"])
 def real_stack(redis_url, request):
-    """The stack with the linear products in float32 (the default) and in bfloat16 (MATMUL_DTYPE,
+    """The stack with the linear products in float32 (the default), in bfloat16 (MATMUL_DTYPE,
     `specdec.models.bf16_matmul`), whose rounding makes any difference in how a position is
-    computed visible: without its row-wise attention the first speculative token differed."""
+    computed visible: without its row-wise attention the first speculative token differed, and in
+    int8 (kernels/int8.cpp: every row rounded to 8-bit blocks, the draft's too: it shares the
+    target's linears)."""
+    from specdec.models import panels
     from specdec.models.bf16_matmul import bf16_supported
     from specdec.models.runner import ModelRunner, SessionKVCache
     from specdec.rpc.model_service import LoadedModel, ModelServerSettings, load_model
@@ -45,6 +48,8 @@ def real_stack(redis_url, request):
 
     if request.param == "bfloat16" and not bf16_supported():
         pytest.skip("this torch build has no oneDNN bfloat16 matmul")
+    if request.param == "int8" and not panels.int8_available():
+        pytest.skip("no AVX-512 VNNI on this CPU")
     settings = load_settings(ModelServerSettings, [], {}, model=DEFAULT, matmul_dtype=request.param)
     target = load_model(settings, "target")
     draft_model = _shallow_draft(target.runner.model, 6)

@@ -135,7 +135,7 @@ def test_the_matmul_dtype_setting_and_what_it_refuses(capsys):
     assert load_settings(TargetSettings, ["--matmul-dtype", "int8"], {}).matmul_dtype == "int8"
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, ["--matmul-dtype", "int4"], {})
-    assert "matmul_dtype must be one of float32, bfloat16, int8, got 'int4'" in capsys.readouterr().err
+    assert "matmul_dtype must be one of float32, bfloat16, int8, auto, got 'int4'" in capsys.readouterr().err
     for dtype in ("bfloat16", "int8"):
         with pytest.raises(SystemExit):
             load_settings(DraftSettings, ["--matmul-dtype", dtype, "--compile", "on"], {})

@@ -41,12 +41,15 @@ def test_int8_products_need_an_eager_float32_cpu_model_with_4_or_8_bit_weights()
         int8_matmuls_wanted("int8", _runner(torch.bfloat16))
     with pytest.raises(ValueError, match="weights that are 4- or 8-bit blocks"):
         int8_linears(_runner().model)  # random weights: nothing to multiply in int8
+    assert int8_linears(_runner().model, required=False) == 0  # auto: float32 then
+    assert int8_matmuls_wanted("auto", _runner()) and not int8_matmuls_wanted("auto", _runner(torch.bfloat16))
 
 
 def test_int8_products_say_so_where_the_cpu_lacks_them(monkeypatch):
     monkeypatch.setattr(panels, "int8_available", lambda: False)
     with pytest.raises(ValueError, match="AVX-512 VNNI"):
         int8_matmuls_wanted("int8", _runner())
+    assert not int8_matmuls_wanted("auto", _runner())
 
 
 def test_a_service_loads_its_model_on_a_thread_that_holds_no_openmp_team(tiny_model_dirs, monkeypatch):
