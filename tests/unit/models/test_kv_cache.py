@@ -97,3 +97,27 @@ def test_reset_forgets_the_buffer(new):
     layer.reset()
     keys, values = _rows(new, 1)
     assert torch.equal(layer.update(keys, values)[0], keys)
+
+
+def test_rows_written_into_the_reserved_buffers_read_as_dynamic_layers_after_extend():
+    """The compiled kernels write a step's rows into the buffers (`reserve`), `extend` counts them,
+    and the views are made only when read: every later read, crop, reserve or reset sees them."""
+    reserved, dynamic = ReservedLayer(), DynamicLayer()
+    like = torch.empty(1, 2, 0, 4)
+    for seed, (op, n) in enumerate([("write", 5), ("write", 1), ("crop", -2), ("write", 3), ("write", 200)]):
+        if op == "crop":
+            reserved.crop(n)
+            dynamic.crop(n)
+        else:
+            keys, values = _rows(n, seed)
+            length = reserved.own_length()
+            reserved.reserve(n, like)  # (may move the counted rows into a larger buffer)
+            reserved._key_buffer[:, :, length : length + n] = keys
+            reserved._value_buffer[:, :, length : length + n] = values
+            reserved.extend(n)
+            dynamic.update(keys, values)
+            assert reserved.get_seq_length() == dynamic.get_seq_length()
+        _same(reserved, dynamic)
+    reserved.extend(2)
+    reserved.reset()  # with rows counted but never read
+    assert reserved.get_seq_length() == 0
