@@ -33,7 +33,8 @@ _FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
 _LINEARS += (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 _FORMS = {panels.Q4Panels: 1, panels.Q8Panels: 2, panels.Int8Q4Panels: 3, panels.Int8Q8Panels: 4}
-_COMPACT, _INT8 = frozenset({1, 2}), frozenset({3, 4})
+_HALF = 2  # an int8 form's number past the above when its scales are float16
+_COMPACT, _INT8 = frozenset({1, 2}), frozenset({3, 4, 5, 6})
 _CACHED = "_specdec_fused_layers"  # the model's FusedLayers, once built
 
 
@@ -58,14 +59,17 @@ def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
     elif isinstance(weights, panels.Q8Panels):
         parts = [weights.levels, weights.scale]
     elif isinstance(weights, panels.Int8Q8Panels):
-        parts = [weights.levels, weights.scale, weights.sums]
+        parts = [weights.levels, weights.scale]
     else:
         parts = [weights]
     addresses = [p.data_ptr() for p in parts] + [0] * (3 - len(parts))
     if linear.bias is not None:
         parts.append(linear.bias.detach().to(torch.float32).contiguous())
     bias = parts[-1].data_ptr() if linear.bias is not None else 0
-    return [_FORMS.get(type(weights), 0), *addresses, linear.out_features, bias], parts
+    form = _FORMS.get(type(weights), 0)
+    if isinstance(weights, panels.INT8_FORMS) and weights.scale.dtype == torch.float16:
+        form += _HALF
+    return [form, *addresses, linear.out_features, bias], parts
 
 
 def _fusable(model) -> bool:

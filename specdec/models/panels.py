@@ -196,9 +196,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.amx_q8_product.restype = ctypes.c_int
     lib.int8_built.argtypes = []
     lib.int8_built.restype = ctypes.c_int
-    lib.int8_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
+    lib.int8_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr, size]
     lib.int8_q4_product.restype = ctypes.c_int
-    lib.int8_q8_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr]
+    lib.int8_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr, size]
     lib.int8_q8_product.restype = ctypes.c_int
     return lib
 
@@ -326,8 +326,8 @@ class Int8Q4Panels:
     """A Q4Panels' weights laid out for products with int8 rows (kernels/int8.cpp)."""
 
     nibbles: torch.Tensor  # [P, K / 4, 64] uint8: byte 4j + i of group g, input 4g + i of outputs j / j + 16
-    scale: torch.Tensor  # [P, K / 32, 32] float32: d
-    offset: torch.Tensor  # [P, K / 32, 32] float32: m
+    scale: torch.Tensor  # [P, K / 32, 32] float16 where all are exactly (`_narrowed`), else float32: d
+    offset: torch.Tensor  # [P, K / 32, 32] m, as scale
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -336,11 +336,10 @@ class Int8Q4Panels:
 
 @dataclass(frozen=True)
 class Int8Q8Panels:
-    """A Q8Panels' weights laid out for products with int8 rows, with each block's sum of levels."""
+    """A Q8Panels' weights laid out for products with int8 rows."""
 
-    levels: torch.Tensor  # [P, K / 4, 128] int8: byte 64h + 4j + i of group g, input 4g + i of output 16h + j
-    scale: torch.Tensor  # [P, K / 32, 32] float32: d
-    sums: torch.Tensor  # [P, K / 32, 32] int32: sum of q over each block
+    levels: torch.Tensor  # [P, K / 4, 128] uint8: byte 64h + 4j + i of group g, q + 128 of input 4g + i, output 16h + j
+    scale: torch.Tensor  # [P, K / 32, 32] float16 where all are exactly (`_narrowed`), else float32: d
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -356,15 +355,23 @@ def _in_groups_of_4(levels: torch.Tensor) -> torch.Tensor:
     return levels.reshape(count, k // 4, 4, width).transpose(2, 3).reshape(count, k // 4, width * 4).contiguous()
 
 
+def _narrowed(*parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The parts as float16 when every value of every one is a float16 exactly (GGUF stores a block's
+    d and m so: a decode streams a sixth fewer bytes of a 4-bit weight), else as they are."""
+    if all(torch.equal(part.half().float(), part) for part in parts):
+        return tuple(part.half() for part in parts)
+    return parts
+
+
 def to_int8(compact: Q4Panels | Q8Panels) -> Int8Q4Panels | Int8Q8Panels:
     """The same weights laid out for `product` with int8 rows."""
     if isinstance(compact, Q4Panels):
-        return Int8Q4Panels(_in_groups_of_4(compact.nibbles), compact.scale, compact.offset)
+        return Int8Q4Panels(_in_groups_of_4(compact.nibbles), *_narrowed(compact.scale, compact.offset))
     count, k, _ = compact.levels.shape
-    halves = compact.levels.reshape(count, k, 2, 16).permute(0, 2, 1, 3)  # [P, 2, K, 16]
+    unsigned = (compact.levels.to(torch.int16) + 128).to(torch.uint8)  # [P, K, 32]: q + 128
+    halves = unsigned.reshape(count, k, 2, 16).permute(0, 2, 1, 3)  # [P, 2, K, 16]
     grouped = _in_groups_of_4(halves.reshape(count * 2, k, 16)).reshape(count, 2, k // 4, 64)
-    sums = compact.levels.to(torch.int32).reshape(count, k // BLOCK, BLOCK, PANEL).sum(2, dtype=torch.int32)
-    return Int8Q8Panels(grouped.transpose(1, 2).reshape(count, k // 4, 128).contiguous(), compact.scale, sums)
+    return Int8Q8Panels(grouped.transpose(1, 2).reshape(count, k // 4, 128).contiguous(), *_narrowed(compact.scale))
 
 
 @functools.lru_cache(maxsize=1)
@@ -390,7 +397,9 @@ def product(
         if lib is None:
             raise RuntimeError(f"the panels kernel is unavailable: {why}")
     if isinstance(panels, INT8_FORMS):
-        y, status = _run(x, panels, out_features, "int8 product", lib.int8_q4_product, lib.int8_q8_product)
+        half = int(panels.scale.dtype == torch.float16)
+        q4, q8 = (lambda *a: lib.int8_q4_product(*a, half)), (lambda *a: lib.int8_q8_product(*a, half))
+        y, status = _run(x, panels, out_features, "int8 product", q4, q8)
         if status != 0:
             raise MemoryError("the int8 product could not allocate its rows' levels")
         return y
@@ -414,7 +423,7 @@ def _run(x: torch.Tensor, panels, out_features: int, what: str, q4, q8, f32=None
         parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
         status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     elif isinstance(panels, Int8Q8Panels):
-        parts = (panels.levels.data_ptr(), panels.scale.data_ptr(), panels.sums.data_ptr())
+        parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
         status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     else:
         status = f32(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out_features, y.data_ptr())

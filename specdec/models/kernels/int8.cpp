@@ -19,10 +19,10 @@
 // Verify's rows equal their one-row decodes, a batched row its solo self.
 //
 // Weights: 4-bit, [P][K / 4][64] bytes, byte 4j + i of group g holds q[4g + i] of output j (low
-// 4 bits) and of output j + 16 (high); 8-bit, [P][K / 4][128] int8, byte 4j + i of each half of
-// 64 holds q[4g + i] of output j of that half, with each block's sum of q per output ([P][K / 32]
-// [32] int32): VPDPBUSD multiplies unsigned by signed bytes, so 8-bit rows go as qx + 128 and the
-// sum takes 128 * sum(q) back off.
+// 4 bits) and of output j + 16 (high); 8-bit, [P][K / 4][128] bytes, byte 4j + i of each half of
+// 64 holds q[4g + i] + 128 of output j of that half: VPDPBUSD multiplies unsigned by signed bytes,
+// so the sum of an 8-bit block also holds 128 * sum(qx), which the row's block sum takes back off.
+// Scales (and offsets) [P][K / 32][32], float32 or float16 (`half`).
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -39,8 +39,8 @@
 
 extern "C" int int8_built(void) { return 1; }
 
-// One row x [K] -> levels q [K], dx and sx [K / 32].
-static void quantize(const float* x, long K, int8_t* q, float* dx, float* sx) {
+// One row x [K] -> levels q [K], dx and sx [K / 32], and each block's sum of levels qs [K / 32].
+static void quantize(const float* x, long K, int8_t* q, float* dx, float* sx, int32_t* qs) {
     for (long b = 0; b < K / BLOCK; b++) {
         const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -50,46 +50,53 @@ static void quantize(const float* x, long K, int8_t* q, float* dx, float* sx) {
         const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, inverse), round);
         _mm_storeu_si128((__m128i*)(q + b * BLOCK), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i*)(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(q1));
+        qs[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         dx[b] = top / 127.0f;
-        sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        sx[b] = dx[b] * (float)qs[b];
     }
 }
 
+// 16 of a block's scales or offsets as float32: stored as float32, or as float16 where every one
+// is a float16 exactly (GGUF stores them so; a sixth fewer bytes for the 4-bit weights).
+template <bool HALF>
+static inline __m512 sixteen(const void* at, long i) {
+    if (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)at + i)));
+    return _mm512_loadu_ps((const float*)at + i);
+}
+
+// Both forms give each lane 4 unsigned bytes of weight levels against 4 signed bytes of qx.
+template <bool HALF>
 struct Q4 {
     const uint8_t* packed;  // this panel's [K / 4][64]
-    const float *scale, *offset;
-    static constexpr bool SIGNED_X = true;
-    // A group of 4 inputs: outputs 0-15 and 16-31 as unsigned levels.
-    inline void group(long g, __m512i* w) const {
+    const void *scale, *offset;  // this panel's [K / 32][32]
+    static constexpr int SHIFT = 0;
+    inline void group(long g, __m512i* w) const {  // inputs 4g .. 4g + 3 of outputs 0-15, 16-31
         const __m512i low = _mm512_set1_epi8(15), both = _mm512_loadu_si512(packed + g * 64);
         w[0] = _mm512_and_si512(both, low);
         w[1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
     }
-    inline __m512i correction(long, int) const { return _mm512_setzero_si512(); }
 };
 
+// 8-bit levels are stored as q + 128 (unsigned): the sums then hold 128 * sum(qx) too, which the
+// row's block sums take back off (SHIFT: log2 128).
+template <bool HALF>
 struct Q8 {
-    const int8_t* packed;  // this panel's [K / 4][128]
-    const float* scale;
-    const int32_t* sums;  // this panel's [K / 32][32]
-    const float* offset = nullptr;
-    static constexpr bool SIGNED_X = false;
+    const uint8_t* packed;  // this panel's [K / 4][128]
+    const void* scale;  // this panel's [K / 32][32]
+    const void* offset = nullptr;
+    static constexpr int SHIFT = 7;
     inline void group(long g, __m512i* w) const {
         w[0] = _mm512_loadu_si512(packed + g * 128);
         w[1] = _mm512_loadu_si512(packed + g * 128 + 64);
     }
-    inline __m512i correction(long b, int half) const {  // 128 * sum(q): what qx + 128 added
-        return _mm512_slli_epi32(_mm512_loadu_si512(sums + b * PANEL + half * 16), 7);
-    }
 };
 
-template <int ROWS, class W>
-static inline void panel_rows(const W& w, const int8_t* qx, const float* dx, const float* sx, long K, float* y, long N,
-                              long n0) {
+template <int ROWS, bool HALF, template <bool> class Form>
+static inline void panel_rows(const Form<HALF>& w, const int8_t* qx, const float* dx, const float* sx,
+                              const int32_t* qs, long K, float* y, long N, long n0) {
     const long blocks = K / BLOCK;
     __m512 acc[ROWS][2];
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi32((int)0x80808080u);  // qx + 128 as unsigned bytes
     for (long b = 0; b < blocks; b++) {
         __m512i sum[ROWS][2];
         for (int r = 0; r < ROWS; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
@@ -98,19 +105,19 @@ static inline void panel_rows(const W& w, const int8_t* qx, const float* dx, con
             w.group(b * (BLOCK / 4) + g, lanes);
             for (int r = 0; r < ROWS; r++) {
                 const __m512i xs = _mm512_set1_epi32(*(const int32_t*)(qx + r * K + b * BLOCK + g * 4));
-                for (int h = 0; h < 2; h++)
-                    sum[r][h] = W::SIGNED_X ? _mm512_dpbusd_epi32(sum[r][h], lanes[h], xs)
-                                            : _mm512_dpbusd_epi32(sum[r][h], _mm512_xor_si512(xs, flip), lanes[h]);
+                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], lanes[0], xs);
+                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], lanes[1], xs);
             }
         }
         for (int h = 0; h < 2; h++) {
-            const __m512 d = _mm512_loadu_ps(w.scale + b * PANEL + h * 16);
-            const __m512i back = w.correction(b, h);
+            const __m512 d = sixteen<HALF>(w.scale, b * PANEL + h * 16);
             for (int r = 0; r < ROWS; r++) {
-                const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][h], back));
+                __m512i exact = sum[r][h];
+                if (Form<HALF>::SHIFT) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(qs[r * blocks + b] << Form<HALF>::SHIFT));
+                const __m512 s = _mm512_cvtepi32_ps(exact);
                 acc[r][h] = _mm512_fmadd_ps(d, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * blocks + b])), acc[r][h]);
                 if (w.offset)
-                    acc[r][h] = _mm512_fmadd_ps(_mm512_loadu_ps(w.offset + b * PANEL + h * 16),
+                    acc[r][h] = _mm512_fmadd_ps(sixteen<HALF>(w.offset, b * PANEL + h * 16),
                                                 _mm512_set1_ps(sx[r * blocks + b]), acc[r][h]);
             }
         }
@@ -125,31 +132,42 @@ static inline void panel_rows(const W& w, const int8_t* qx, const float* dx, con
 }
 
 // 0, or -1 when the rows' levels could not be allocated (nothing written).
-template <class MakeW>
+template <bool HALF, template <bool> class Form, class MakeW>
 static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
     const long blocks = K / BLOCK, count = (N + PANEL - 1) / PANEL;
-    int8_t* qx = (int8_t*)malloc(M * K + 2 * sizeof(float) * M * blocks);
+    int8_t* qx = (int8_t*)malloc(M * K + 3 * sizeof(float) * M * blocks);
     if (qx == nullptr) return -1;
     float* dx = (float*)(qx + M * K);  // (M * K is a multiple of 32: aligned for floats)
     float* sx = dx + M * blocks;
+    int32_t* qs = (int32_t*)(sx + M * blocks);
+    // A decode's or Verify's few rows are rounded here, before the threads start: as one more
+    // parallel loop they cost a barrier per product (210 a SmolLM2 decode), longer than the rounding.
+    const bool few = M <= GROUP;
+    if (few)
+        for (long r = 0; r < M; r++)
+            quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks, qs + r * blocks);
 #pragma omp parallel
     {
+        if (!few) {
 #pragma omp for schedule(static)
-        for (long r = 0; r < M; r++) quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks);
-#pragma omp for schedule(static)
+            for (long r = 0; r < M; r++)
+                quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks, qs + r * blocks);
+        }
+#pragma omp for schedule(static) nowait
         for (long p = 0; p < count; p++) {
-            const auto w = make(p);
+            const Form<HALF> w = make(p);
             for (long m = 0; m < M; m += GROUP) {
                 const int8_t* q = qx + m * K;
                 const float *d = dx + m * blocks, *s = sx + m * blocks;
+                const int32_t* n = qs + m * blocks;
                 float* out = y + m * N;
                 switch (M - m < GROUP ? M - m : GROUP) {
-                    case 1: panel_rows<1>(w, q, d, s, K, out, N, p * PANEL); break;
-                    case 2: panel_rows<2>(w, q, d, s, K, out, N, p * PANEL); break;
-                    case 3: panel_rows<3>(w, q, d, s, K, out, N, p * PANEL); break;
-                    case 4: panel_rows<4>(w, q, d, s, K, out, N, p * PANEL); break;
-                    case 5: panel_rows<5>(w, q, d, s, K, out, N, p * PANEL); break;
-                    case 6: panel_rows<6>(w, q, d, s, K, out, N, p * PANEL); break;
+                    case 1: panel_rows<1>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 2: panel_rows<2>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 3: panel_rows<3>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 4: panel_rows<4>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 5: panel_rows<5>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 6: panel_rows<6>(w, q, d, s, n, K, out, N, p * PANEL); break;
                 }
             }
         }
@@ -158,26 +176,35 @@ static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
     return 0;
 }
 
-extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const float* scale,
-                               const float* offset, long N, float* y) {
-    return run(x, M, K, N, y, [=](long p) { return Q4{packed + p * K * 16, scale + p * K, offset + p * K}; });
+// half: the scales (and offsets) are float16, else float32.
+extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const void* scale,
+                               const void* offset, long N, float* y, long half) {
+    const long bytes = half ? 2 : 4;
+    auto make = [=](long p) {
+        return Q4<true>{packed + p * K * 16, (const char*)scale + p * K * bytes, (const char*)offset + p * K * bytes};
+    };
+    auto make32 = [=](long p) {
+        return Q4<false>{packed + p * K * 16, (const char*)scale + p * K * bytes, (const char*)offset + p * K * bytes};
+    };
+    return half ? run<true, Q4>(x, M, K, N, y, make) : run<false, Q4>(x, M, K, N, y, make32);
 }
 
-extern "C" int int8_q8_product(const float* x, long M, long K, const signed char* packed, const float* scale,
-                               const int* sums, long N, float* y) {
-    return run(x, M, K, N, y, [=](long p) {
-        return Q8{(const int8_t*)packed + p * K * PANEL, scale + p * K, (const int32_t*)sums + p * K};
-    });
+extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
+                               float* y, long half) {
+    const long bytes = half ? 2 : 4;
+    auto make = [=](long p) { return Q8<true>{packed + p * K * PANEL, (const char*)scale + p * K * bytes}; };
+    auto make32 = [=](long p) { return Q8<false>{packed + p * K * PANEL, (const char*)scale + p * K * bytes}; };
+    return half ? run<true, Q8>(x, M, K, N, y, make) : run<false, Q8>(x, M, K, N, y, make32);
 }
 
 #else  // another compiler: unavailable
 
 extern "C" int int8_built(void) { return 0; }
-extern "C" int int8_q4_product(const float*, long, long, const unsigned char*, const float*, const float*, long,
-                               float*) {
+extern "C" int int8_q4_product(const float*, long, long, const unsigned char*, const void*, const void*, long, float*,
+                               long) {
     return -1;
 }
-extern "C" int int8_q8_product(const float*, long, long, const signed char*, const float*, const int*, long, float*) {
+extern "C" int int8_q8_product(const float*, long, long, const unsigned char*, const void*, long, float*, long) {
     return -1;
 }
 

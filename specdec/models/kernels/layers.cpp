@@ -28,19 +28,19 @@ extern "C" int amx_q4_product(const float* x, long M, long K, const unsigned cha
                               const float* offset, long N, float* y);
 extern "C" int amx_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale, long N,
                               float* y);
-extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const float* scale,
-                               const float* offset, long N, float* y);
-extern "C" int int8_q8_product(const float* x, long M, long K, const signed char* packed, const float* scale,
-                               const int* sums, long N, float* y);
+extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const void* scale,
+                               const void* offset, long N, float* y, long half);
+extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
+                               float* y, long half);
 #define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
                                  long kv_heads, long dim, float scale, float* out);
 
 // One linear layer as fused.py describes it (6 int64): its panels' form (0 float32, 1 4-bit,
-// 2 8-bit blocks; 3 / 4 the same laid out for int8 rows, int8.cpp), up to three buffer addresses
-// (float32: panels; 4-bit: nibbles, scales, offsets; 8-bit: levels, scales; int8 8-bit: levels,
-// scales, block sums), its output count and its bias's address (0: none).
+// 2 8-bit blocks; 3 / 4 the same laid out for int8 rows, int8.cpp, 5 / 6 those with float16
+// scales), up to three buffer addresses (float32: panels; 4-bit: nibbles, scales, offsets; 8-bit:
+// levels, scales), its output count and its bias's address (0: none).
 struct Linear {
     long form, a, b, c, out, bias;
 };
@@ -51,7 +51,7 @@ struct Layer {
     Linear q, k, v, o, gate, up, down;
 };
 
-enum { F32 = 0, Q4 = 1, Q8 = 2, INT8_Q4 = 3, INT8_Q8 = 4 };
+enum { F32 = 0, Q4 = 1, Q8 = 2, INT8_Q4 = 3, INT8_Q8 = 4, INT8_Q4_HALF = 5, INT8_Q8_HALF = 6 };
 
 // tiles: the 4- and 8-bit forms on AMX tiles (amx.cpp; a prompt's rows, see decoder_layers),
 // panels.cpp where amx.cpp could not allocate its buffers. 1 when an int8 product could not
@@ -70,11 +70,15 @@ static int product(const Linear& w, const float* x, long rows, long in, float* y
             panels_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y);
             break;
         case INT8_Q4:
-            if (int8_q4_product(x, rows, in, (const unsigned char*)w.a, (const float*)w.b, (const float*)w.c, w.out, y))
+        case INT8_Q4_HALF:
+            if (int8_q4_product(x, rows, in, (const unsigned char*)w.a, (const void*)w.b, (const void*)w.c, w.out, y,
+                                w.form == INT8_Q4_HALF))
                 return 1;
             break;
         case INT8_Q8:
-            if (int8_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, (const int*)w.c, w.out, y))
+        case INT8_Q8_HALF:
+            if (int8_q8_product(x, rows, in, (const unsigned char*)w.a, (const void*)w.b, w.out, y,
+                                w.form == INT8_Q8_HALF))
                 return 1;
             break;
     }

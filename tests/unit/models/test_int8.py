@@ -57,8 +57,9 @@ def test_the_product_is_the_stated_arithmetic(form, n, k, rows):
 
 
 @needs_int8
-def test_an_8_bit_weights_sign_survives_the_unsigned_rows():
-    """VPDPBUSD multiplies unsigned bytes: 8-bit rows go as qx + 128, and the block sums take it back."""
+def test_an_8_bit_weights_sign_survives_the_unsigned_levels():
+    """VPDPBUSD multiplies unsigned bytes: 8-bit levels go as q + 128, and each row's block sums
+    of its levels take 128 * sum(qx) back off."""
     weight = -_q8_weight(32, 64, 1).abs()  # every weight negative, so 128 * sum(q) is large
     x = torch.ones(1, 64)
     got = panels.product(x, panels.to_int8(panels.pack_q8(weight)), 32)
@@ -76,12 +77,44 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(form):
 
 
 @needs_int8
-def test_the_int8_copy_is_as_small_as_the_compact_one():
-    compact = panels.pack_q4(_q4_weight(100, 576, 0))
+def test_the_int8_copy_keeps_gguf_scales_in_float16():
+    """A sixth fewer bytes a 4-bit weight: d and m are float16 exactly, as GGUF stores them (each
+    block's least weight at level 0, as GGUF's quantizer puts it; the packaged target's 211 linears
+    all are)."""
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (100, 18, 32)).float()
+    q[..., 0] = 0
+    d, m = (torch.rand(100, 18, 1) * 0.01).half().float(), (-torch.rand(100, 18, 1) * 0.05).half().float()
+    compact = panels.pack_q4((q * d + m).reshape(100, 576))
     int8 = panels.to_int8(compact)
     assert int8.nibbles.numel() == compact.nibbles.numel() and int8.shape == compact.shape
+    assert int8.scale.dtype == int8.offset.dtype == torch.float16
+    assert panels.to_int8(panels.pack_q8(_q8_weight(64, 64, 0))).scale.dtype == torch.float16
+    x = torch.randn(7, 576)
+    stated = stated_arithmetic(x, q.reshape(100, 576), d[..., 0], m[..., 0])
+    got = panels.product(x, int8, 100)
+    assert float((got.double() - stated).abs().max() / stated.abs().max()) < 1e-6
     with pytest.raises(ValueError, match="int8 product"):
         panels.product(torch.randn(2, 575), int8, 100)
+
+
+@needs_int8
+@pytest.mark.parametrize("form", FORMS)
+def test_scales_that_are_not_float16_stay_float32_and_give_the_stated_arithmetic(form):
+    weight = FORMS[form][0](40, 96, 4)
+    q, d, m = _levels(form, weight)
+    compact = panels.pack_compact(weight)
+    nudge = 1 + 2.0**-13  # below float16's resolution: such a d is no float16
+    if form == "q4":
+        compact = panels.Q4Panels(compact.nibbles, compact.scale * nudge, compact.offset)
+    else:
+        compact = panels.Q8Panels(compact.levels, compact.scale * nudge)
+    int8 = panels.to_int8(compact)
+    assert int8.scale.dtype == torch.float32
+    x = torch.randn(7, 96)
+    stated = stated_arithmetic(x, q, d * nudge, m)
+    got = panels.product(x, int8, 40)
+    assert float((got.double() - stated).abs().max() / stated.abs().max()) < 1e-6
 
 
 def _compact_model(layers: int = 2):
