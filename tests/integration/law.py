@@ -178,3 +178,15 @@ def assert_draft_follows_law(
     assert drafted > 0 and accepted > 0 and recovered > total * 0.1, fit.summary
     assert fit.p_value > significance, fit.summary
     return fit
+
+
+def assert_greedy_speculation_equals_k0(stub, k: int = 4, max_new_tokens: int = 40) -> None:
+    """At T = 0 a Verify's rows must give what one-token decodes give for speculation to emit the
+    target alone's tokens; the draft must have proposed some (else nothing was compared)."""
+    from specdec.client import build_request
+
+    prompt = [(3 * i + 1) % 8 for i in range(12)]
+    greedy = dict(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    runs = {n: stub.Generate(build_request(prompt, num_speculative_tokens=n, **greedy), timeout=120) for n in (0, k)}
+    assert list(runs[k].completions[0].token_ids) == list(runs[0].completions[0].token_ids)
+    assert runs[k].stats.drafted_tokens > 0

@@ -9,10 +9,9 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from law import exact_sequence_law, fit_to_law, sample_counts
+from law import assert_greedy_speculation_equals_k0, exact_sequence_law, fit_to_law, sample_counts
 from service_stack import start_stack, stop_stack
 
-from specdec.client import build_request
 from specdec.core.sampling import Sampling
 from specdec.models.bf16_matmul import ROWWISE, Bf16Linear, bf16_supported
 
@@ -71,13 +70,4 @@ def test_pipeline_samples_follow_the_bfloat16_target_law(bf16_stub, bf16_loaded,
 
 
 def test_greedy_speculation_equals_k0_with_bfloat16_products(bf16_stub):
-    prompt = [(3 * i + 1) % 8 for i in range(12)]
-    runs = {
-        k: bf16_stub.Generate(
-            build_request(prompt, max_new_tokens=40, temperature=0, num_speculative_tokens=k, ignore_eos=True),
-            timeout=120,
-        )
-        for k in (0, 4)
-    }
-    assert list(runs[4].completions[0].token_ids) == list(runs[0].completions[0].token_ids)
-    assert runs[4].stats.drafted_tokens > 0
+    assert_greedy_speculation_equals_k0(bf16_stub)

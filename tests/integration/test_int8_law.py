@@ -10,12 +10,10 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from law import exact_sequence_law, fit_to_law, sample_counts
+from law import assert_draft_follows_law, assert_greedy_speculation_equals_k0
 from service_stack import start_stack, stop_stack
 from tiny_models import build_tiny_model
 
-from specdec.client import build_request
-from specdec.core.sampling import Sampling
 from specdec.models import panels
 
 pytestmark = pytest.mark.skipif(not panels.int8_available(), reason="no AVX-512 VNNI on this CPU")
@@ -59,29 +57,14 @@ def test_the_target_reports_and_runs_int8_products(int8_loaded):
 
 
 def test_pipeline_samples_follow_the_int8_target_law(int8_stub, int8_loaded, record_property):
-    total, sampling = 14_000, Sampling(1.0)
-    law = exact_sequence_law(int8_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
-    counts, drafted, accepted, recovered = sample_counts(
-        int8_stub, PROMPT, LENGTH, 3, sampling, total, LENGTH, seed=zlib.crc32(b"int8-K3-T1") % 997
-    )
-    fit = fit_to_law("int8-K3-T1", counts, law, SIGNIFICANCE, drafted, accepted, recovered)
+    model = int8_loaded["target"].runner.model
+    seed = zlib.crc32(b"int8-K3-T1") % 997
+    fit = assert_draft_follows_law(int8_stub, model, "int8-K3-T1", PROMPT, LENGTH, 3, seed, significance=SIGNIFICANCE)
     record_property("summary", fit.summary)
-    assert total >= fit.needed, fit.summary
-    assert recovered > total * 0.1, fit.summary
-    assert fit.p_value > SIGNIFICANCE, fit.summary
 
 
 def test_greedy_speculation_equals_k0_with_int8_products(int8_stub):
-    prompt = [(3 * i + 1) % 8 for i in range(12)]
-    runs = {
-        k: int8_stub.Generate(
-            build_request(prompt, max_new_tokens=40, temperature=0, num_speculative_tokens=k, ignore_eos=True),
-            timeout=120,
-        )
-        for k in (0, 4)
-    }
-    assert list(runs[4].completions[0].token_ids) == list(runs[0].completions[0].token_ids)
-    assert runs[4].stats.drafted_tokens > 0
+    assert_greedy_speculation_equals_k0(int8_stub)
 
 
 def test_auto_takes_int8_only_where_the_weights_are_blocks(tiny_model_dirs, int8_loaded):

@@ -113,7 +113,8 @@ static inline void panel_rows(const Form<HALF>& w, const int8_t* qx, const float
             const __m512 d = sixteen<HALF>(w.scale, b * PANEL + h * 16);
             for (int r = 0; r < ROWS; r++) {
                 __m512i exact = sum[r][h];
-                if (Form<HALF>::SHIFT) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(qs[r * blocks + b] << Form<HALF>::SHIFT));
+                if (Form<HALF>::SHIFT)
+                    exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(qs[r * blocks + b] << Form<HALF>::SHIFT));
                 const __m512 s = _mm512_cvtepi32_ps(exact);
                 acc[r][h] = _mm512_fmadd_ps(d, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * blocks + b])), acc[r][h]);
                 if (w.offset)

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from specdec.models import panels
-from tests.unit.models.test_panels import _q4_weight, _q8_weight, assert_rows_alone
+from tests.unit.models.test_panels import (
+    _q4_weight,
+    _q8_weight,
+    assert_a_batched_step_gives_solo_logits,
+    assert_rows_alone,
+)
 
 needs_int8 = pytest.mark.skipif(not panels.int8_available(), reason="no AVX-512 VNNI on this CPU")
 Q4_TOPS, Q8_TOPS = tuple(range(15, 0, -1)), (127, 126, 128, 125)
@@ -162,22 +167,11 @@ def test_batched_steps_verifies_and_prompts_give_each_row_its_solo_decode_bits()
     """The fused layers and the head on int8: a decode batched with others, a Verify's rows and a
     prompt's last rows all give what one-row decodes of the same positions give."""
     from specdec.models.fused import fused_layers
-    from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
 
     model = _compact_model()
     assert fused_layers(model).int8 and not fused_layers(model).compact
-    batched, alone = ModelRunner(model, SessionKVCache(8, 10_000)), ModelRunner(model, SessionKVCache(8, 10_000))
     prompts = {"a": list(range(1, 30)), "b": [7, 8, 9], "c": [10, 11, 12, 13]}  # "a": past the short rows
-    for runner in (batched, alone):
-        for session, tokens in prompts.items():
-            runner.last_logits(session, tokens, 1)
-    items = [
-        StepItem("a", [*prompts["a"], 20], 1),  # a decode
-        StepItem("b", [*prompts["b"], 21, 22, 23, 24], 5),  # a Verify of K = 4
-        StepItem("c", [*prompts["c"], 25, 26], 3),
-    ]
-    for got, item in zip(batched.step(items), items, strict=True):
-        assert torch.equal(got.logits, alone.last_logits(item.session_id, item.token_ids, item.num_last).logits)
+    alone = assert_a_batched_step_gives_solo_logits(model, prompts)
     # One decode at a time along the Verify's tokens: the same bits as its rows.
     verify = alone.last_logits("v", [*prompts["b"], 21, 22, 23, 24], 5).logits
     for i in range(5):

@@ -127,7 +127,6 @@ def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_
 
     from specdec.models.cpu_layout import use_layout_plans
     from specdec.models.layouts import PANELS
-    from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
 
     # SmolLM2-135M's widths: at these, MKL's products of a row differ by the rows beside it.
     config = LlamaConfig(
@@ -141,8 +140,15 @@ def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_
     torch.manual_seed(3)
     model = LlamaForCausalLM(config).eval()
     use_layout_plans(model, PANELS)
+    assert_a_batched_step_gives_solo_logits(model, {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8, 9], "c": [10, 11, 12, 13]})
+
+
+def assert_a_batched_step_gives_solo_logits(model, prompts: dict[str, list[int]]):
+    """One step of a decode, a Verify of K = 4 and one of K = 2 after `prompts` ("a", "b", "c")
+    gives each item, bit for bit, its logits run alone; returns the runner that ran them alone."""
+    from specdec.models.runner import ModelRunner, SessionKVCache, StepItem
+
     batched, alone = ModelRunner(model, SessionKVCache(8, 10_000)), ModelRunner(model, SessionKVCache(8, 10_000))
-    prompts = {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8, 9], "c": [10, 11, 12, 13]}
     for runner in (batched, alone):
         for session, tokens in prompts.items():
             runner.last_logits(session, tokens, 1)
@@ -153,6 +159,7 @@ def test_with_every_linear_on_panels_a_batched_step_gives_each_item_exactly_its_
     ]
     for got, item in zip(batched.step(items), items, strict=True):
         assert torch.equal(got.logits, alone.last_logits(item.session_id, item.token_ids, item.num_last).logits)
+    return alone
 
 
 def _q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
