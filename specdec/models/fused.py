@@ -56,9 +56,7 @@ def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
     weights = linear.weight_panels
     if isinstance(weights, (panels.Q4Panels, panels.Int8Q4Panels)):
         parts = [weights.nibbles, weights.scale, weights.offset]
-    elif isinstance(weights, panels.Q8Panels):
-        parts = [weights.levels, weights.scale]
-    elif isinstance(weights, panels.Int8Q8Panels):
+    elif isinstance(weights, (panels.Q8Panels, panels.Int8Q8Panels)):
         parts = [weights.levels, weights.scale]
     else:
         parts = [weights]

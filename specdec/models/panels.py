@@ -419,10 +419,7 @@ def _run(x: torch.Tensor, panels, out_features: int, what: str, q4, q8, f32=None
     if isinstance(panels, (Q4Panels, Int8Q4Panels)):
         parts = (panels.nibbles.data_ptr(), panels.scale.data_ptr(), panels.offset.data_ptr())
         status = q4(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
-    elif isinstance(panels, Q8Panels):
-        parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
-        status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
-    elif isinstance(panels, Int8Q8Panels):
+    elif isinstance(panels, (Q8Panels, Int8Q8Panels)):
         parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
         status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     else:
