@@ -1,8 +1,8 @@
 // x @ W^T for panels.cpp's 4- and 8-bit weights with x rounded to 8-bit blocks, the products in
 // integers (AVX-512 VNNI): llama.cpp's arithmetic for GGUF's Q4_1 and Q8_0 weights (a Q8 row of x
-// against each). Called by specdec/models/panels.py (`int8_product`) and by layers.cpp, for every
-// row of a model whose `matmul_dtype` is int8 (specdec/models/cpu_layout.py): decodes, Verify rows,
-// prompts and the head alike, never mixed with the float32 forms in one model.
+// against each). Called by specdec/models/panels.py (`product` of an int8 form) and by layers.cpp,
+// for every row a linear with such weights computes in a model whose `matmul_dtype` is int8
+// (specdec/models/cpu_layout.py): decodes, Verify rows, prompts and the head alike.
 //
 // Why: a float32 product of rows spends one FMA per weight and row (16 a cycle at best); VPDPBUSD
 // sums 4 byte products into each of 16 int32 lanes per instruction (64). SmolLM2's 576 -> 1536
