@@ -847,6 +847,8 @@ def run_info(args, plan: Plan, drafter: bench.Drafter) -> dict:
     return {
         "type": "run",
         "target": args.target,
+        # What a stack started here serves the target with (one given by --address: its own setting).
+        "matmul_dtype": None if args.address else os.environ.get(stack.MATMUL_DTYPE_ENV, stack.DEFAULT_MATMUL_DTYPE),
         "drafter": {"label": drafter.label, "model": drafter.model, "lookup": drafter.lookup},
         "address": args.address,
         "openai_url": args.openai_url,
@@ -887,7 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text("".join(json.dumps(obj) + "\n" for obj in (info, *rows)))
     print(
-        f"\n{drafter.label} draft, target {args.target}, {plan.max_new_tokens} new tokens, T={plan.temperature:g}, "
+        f"\n{drafter.label} draft, target {args.target} (MATMUL_DTYPE {info['matmul_dtype'] or 'its own'}), "
+        f"{plan.max_new_tokens} new tokens, T={plan.temperature:g}, "
         f"{len(plan.prompts)} prompts, {plan.repeats} repeat(s), {hostinfo.summary(info)}, commit {info['commit'][:12]}"
     )
     print(format_table(rows))
