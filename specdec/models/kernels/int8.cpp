@@ -65,7 +65,6 @@ static inline __m512 sixteen(const void* at, long i) {
 }
 
 // Both forms give each lane 4 unsigned bytes of weight levels against 4 signed bytes of qx.
-template <bool HALF>
 struct Q4 {
     const uint8_t* packed;  // this panel's [K / 4][64]
     const void *scale, *offset;  // this panel's [K / 32][32]
@@ -79,7 +78,6 @@ struct Q4 {
 
 // 8-bit levels are stored as q + 128 (unsigned): the sums then hold 128 * sum(qx) too, which the
 // row's block sums take back off (SHIFT: log2 128).
-template <bool HALF>
 struct Q8 {
     const uint8_t* packed;  // this panel's [K / 4][128]
     const void* scale;  // this panel's [K / 32][32]
@@ -91,8 +89,8 @@ struct Q8 {
     }
 };
 
-template <int ROWS, bool HALF, template <bool> class Form>
-static inline void panel_rows(const Form<HALF>& w, const int8_t* qx, const float* dx, const float* sx,
+template <int ROWS, bool HALF, class Form>
+static inline void panel_rows(const Form& w, const int8_t* qx, const float* dx, const float* sx,
                               const int32_t* qs, long K, float* y, long N, long n0) {
     const long blocks = K / BLOCK;
     __m512 acc[ROWS][2];
@@ -113,8 +111,7 @@ static inline void panel_rows(const Form<HALF>& w, const int8_t* qx, const float
             const __m512 d = sixteen<HALF>(w.scale, b * PANEL + h * 16);
             for (int r = 0; r < ROWS; r++) {
                 __m512i exact = sum[r][h];
-                if (Form<HALF>::SHIFT)
-                    exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(qs[r * blocks + b] << Form<HALF>::SHIFT));
+                if (Form::SHIFT) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(qs[r * blocks + b] << Form::SHIFT));
                 const __m512 s = _mm512_cvtepi32_ps(exact);
                 acc[r][h] = _mm512_fmadd_ps(d, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * blocks + b])), acc[r][h]);
                 if (w.offset)
@@ -133,7 +130,7 @@ static inline void panel_rows(const Form<HALF>& w, const int8_t* qx, const float
 }
 
 // 0, or -1 when the rows' levels could not be allocated (nothing written).
-template <bool HALF, template <bool> class Form, class MakeW>
+template <bool HALF, class MakeW>
 static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
     const long blocks = K / BLOCK, count = (N + PANEL - 1) / PANEL;
     int8_t* qx = (int8_t*)malloc(M * K + 3 * sizeof(float) * M * blocks);
@@ -141,34 +138,35 @@ static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
     float* dx = (float*)(qx + M * K);  // (M * K is a multiple of 32: aligned for floats)
     float* sx = dx + M * blocks;
     int32_t* qs = (int32_t*)(sx + M * blocks);
+    const auto round_row = [=](long r) {
+        quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks, qs + r * blocks);
+    };
     // A decode's or Verify's few rows are rounded here, before the threads start: as one more
     // parallel loop they cost a barrier per product (210 a SmolLM2 decode), longer than the rounding.
     const bool few = M <= GROUP;
     if (few)
-        for (long r = 0; r < M; r++)
-            quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks, qs + r * blocks);
+        for (long r = 0; r < M; r++) round_row(r);
 #pragma omp parallel
     {
         if (!few) {
 #pragma omp for schedule(static)
-            for (long r = 0; r < M; r++)
-                quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks, qs + r * blocks);
+            for (long r = 0; r < M; r++) round_row(r);
         }
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < count; p++) {
-            const Form<HALF> w = make(p);
+            const auto w = make(p);
             for (long m = 0; m < M; m += GROUP) {
                 const int8_t* q = qx + m * K;
                 const float *d = dx + m * blocks, *s = sx + m * blocks;
                 const int32_t* n = qs + m * blocks;
                 float* out = y + m * N;
                 switch (M - m < GROUP ? M - m : GROUP) {
-                    case 1: panel_rows<1>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 2: panel_rows<2>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 3: panel_rows<3>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 4: panel_rows<4>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 5: panel_rows<5>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 6: panel_rows<6>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 1: panel_rows<1, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 2: panel_rows<2, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 3: panel_rows<3, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 4: panel_rows<4, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 5: panel_rows<5, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
+                    case 6: panel_rows<6, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
                 }
             }
         }
@@ -182,20 +180,16 @@ extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned ch
                                const void* offset, long N, float* y, long half) {
     const long bytes = half ? 2 : 4;
     auto make = [=](long p) {
-        return Q4<true>{packed + p * K * 16, (const char*)scale + p * K * bytes, (const char*)offset + p * K * bytes};
+        return Q4{packed + p * K * 16, (const char*)scale + p * K * bytes, (const char*)offset + p * K * bytes};
     };
-    auto make32 = [=](long p) {
-        return Q4<false>{packed + p * K * 16, (const char*)scale + p * K * bytes, (const char*)offset + p * K * bytes};
-    };
-    return half ? run<true, Q4>(x, M, K, N, y, make) : run<false, Q4>(x, M, K, N, y, make32);
+    return half ? run<true>(x, M, K, N, y, make) : run<false>(x, M, K, N, y, make);
 }
 
 extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
                                float* y, long half) {
     const long bytes = half ? 2 : 4;
-    auto make = [=](long p) { return Q8<true>{packed + p * K * PANEL, (const char*)scale + p * K * bytes}; };
-    auto make32 = [=](long p) { return Q8<false>{packed + p * K * PANEL, (const char*)scale + p * K * bytes}; };
-    return half ? run<true, Q8>(x, M, K, N, y, make) : run<false, Q8>(x, M, K, N, y, make32);
+    auto make = [=](long p) { return Q8{packed + p * K * PANEL, (const char*)scale + p * K * bytes}; };
+    return half ? run<true>(x, M, K, N, y, make) : run<false>(x, M, K, N, y, make);
 }
 
 #else  // another compiler: unavailable
