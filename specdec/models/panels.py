@@ -64,6 +64,7 @@ SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
     for name in ("panels.cpp", "amx.cpp", "int8.cpp", "attention.cpp", "layers.cpp")
 )
+HEADERS = (Path(__file__).with_name("kernels") / "vector_math.h",)  # included by the sources (hashed with them)
 PREBUILT_DIR = SOURCES[0].parent
 # x86-64 micro-architecture levels and the /proc/cpuinfo flags each needs (the ones its code uses).
 # Built with these flags and -march=<level>; no exceptions or RTTI, so it needs no C++ runtime.
@@ -98,7 +99,7 @@ def _openmp_runtime() -> str | None:
 
 
 def library_name(level: str) -> str:
-    key = b"".join(source.read_bytes() for source in SOURCES) + " ".join((level, *FLAGS, torch.__version__)).encode()
+    key = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + " ".join((level, *FLAGS, torch.__version__)).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return f"panels-{level}-{digest}.so"
 
@@ -143,7 +144,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     level = cpu_level()
     if level is None:
         return None, "this CPU is not x86-64 with AVX2 + FMA"
-    missing = [str(source) for source in SOURCES if not source.exists()]
+    missing = [str(source) for source in (*SOURCES, *HEADERS) if not source.exists()]
     if missing:  # an install without the package data
         return None, f"{', '.join(missing)} missing"
     try:

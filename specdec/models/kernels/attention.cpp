@@ -21,24 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-// Vectors of 8 floats (AVX2) and, with AVX-512, of 16; a head of d floats uses the widest that
-// divides d (SmolLM2's 64: four of 16).
-typedef float v8 __attribute__((vector_size(32)));
-typedef int i8 __attribute__((vector_size(32)));
-#if defined(__AVX512F__)
-typedef float v16 __attribute__((vector_size(64)));
-typedef int i16 __attribute__((vector_size(64)));
-#define WIDEST 16
-#else
-#define WIDEST 8
-#endif
+#include "vector_math.h"  // v8 / v16, WIDEST: a head of d floats uses the widest vector that divides
+                          // d (SmolLM2's 64: four of 16); exp_neg
 
 #define MAX_ROWS 4  // query rows a pass keeps
 #define MAX_ACC 16  // their accumulators, in vectors: within the register file
 #define AHEAD 32    // positions ahead whose keys / values are prefetched
 #define ROW_BLOCK 16  // a segment's rows per task
-
-static inline v8 floor_of(v8 x) { return (v8)_mm256_floor_ps((__m256)x); }
 
 // W vectors -> one vector of their lane sums, lane i the sum of vector BITREV[i] (so feed position
 // BITREV[i] in slot i for sums in position order). Each vector's lanes go through the same tree
@@ -60,10 +49,6 @@ static inline v8 lane_sums(const v8* v) {
 }
 
 #if defined(__AVX512F__)
-static inline v16 floor_of(v16 x) {
-    return (v16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-}
-
 static const int BITREV16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 #define LO_16_16 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define HI_16_16 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
@@ -84,19 +69,15 @@ static inline v16 lane_sums(const v16* v) {
 
 template <class V> struct Lanes;
 template <> struct Lanes<v8> {
-    typedef i8 ints;
     static constexpr int width = 8;
     static const int* bitrev() { return BITREV8; }
 };
 #if defined(__AVX512F__)
 template <> struct Lanes<v16> {
-    typedef i16 ints;
     static constexpr int width = 16;
     static const int* bitrev() { return BITREV16; }
 };
 #endif
-
-template <class V> static inline V max_of(V a, V b) { return a > b ? a : b; }
 
 // An unaligned load (a vector type loses its alignment attribute as a template argument, and a
 // plain dereference would then assume its full alignment).
@@ -104,25 +85,6 @@ template <class V> static inline V load(const float* from) {
     V v;
     memcpy(&v, from, sizeof(v));
     return v;
-}
-
-// exp(x) for x <= 0 (a score minus the row's largest): Cephes' expf (range reduction by ln 2, a
-// degree-6 polynomial), relative error about 1e-7. Below -87.3 it returns exp(-87.3) ~ 1e-38,
-// nothing beside the largest score's 1.
-template <class V> static inline V exp_neg(V x) {
-    typedef typename Lanes<V>::ints I;
-    x = max_of(x, (V){} - 87.3f);
-    V n = floor_of(x * 1.44269504088896341f + 0.5f);
-    V r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    I two_n = (__builtin_convertvector(n, I) + 127) << 23;
-    return p * (V)two_n;
 }
 
 struct Segment {  // as ragged.py lays out its int64 table, one row per segment (SEGMENT_COLUMNS longs)

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 extern "C" void panels_product(const float* x, long M, long K, const float* panels, long N, float* y);
 extern "C" void panels_q4_product(const float* x, long M, long K, const unsigned char* nibbles, const float* scale,
                                   const float* offset, long N, float* y);
@@ -120,33 +122,32 @@ static void rotate(float* x, long rows, long heads, long dim, const float* cos, 
         }
 }
 
-// e^x in float32 arithmetic alone, so that the loop calling it vectorises (libm's expf is a call per
-// element: with it SiLU was ~9% of an int8 prompt's time). Cody-Waite reduction x = n ln2 + r,
-// |r| <= ln2 / 2, Cephes' degree-7 expansion of e^r (~1 ulp), then 2^n put in the exponent bits. x is
-// clamped where e^x leaves the normal floats (a NaN passes through: comparisons with it are false).
-static inline float exp_float(float x) {
-    x = x > 88.0f ? 88.0f : (x < -87.0f ? -87.0f : x);
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, to nearest
-    const float n = (x * 1.44269504088896341f + shifter) - shifter;
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int)n << 23;
-    memcpy(&p, &bits, sizeof p);
-    return p;
+// gate <- silu(gate) * up, element by element (split over the threads: each element is its own),
+// with the vector exp of attention.cpp's softmax (a libm call per element made SiLU ~9% of an int8
+// prompt's time): silu(g) = g / (1 + e^-g) = g * s, s = 1 / (1 + e) for g >= 0 and e / (1 + e) for
+// g < 0, where e = e^-|g| (exp_neg's range). A tail shorter than a vector goes through one too.
+static inline widest silu_lanes(widest g, widest up) {
+    const widest e = exp_neg(-max_of(g, -g)), one = (widest){} + 1.0f;
+    return g * ((g >= 0 ? one : e) / (one + e)) * up;
 }
 
-// gate <- silu(gate) * up, element by element (split over the threads: each element is its own).
 static void silu_times(float* gate, const float* up, long count) {
+    const long whole = count / WIDEST * WIDEST;
 #pragma omp parallel for schedule(static) if (count >= 16384)
-    for (long i = 0; i < count; i++) gate[i] = gate[i] / (1.0f + exp_float(-gate[i])) * up[i];
+    for (long i = 0; i < whole; i += WIDEST) {
+        widest g, u;
+        memcpy(&g, gate + i, sizeof g);
+        memcpy(&u, up + i, sizeof u);
+        g = silu_lanes(g, u);
+        memcpy(gate + i, &g, sizeof g);
+    }
+    if (whole < count) {
+        widest g = {}, u = {};
+        memcpy(&g, gate + whole, (count - whole) * sizeof(float));
+        memcpy(&u, up + whole, (count - whole) * sizeof(float));
+        g = silu_lanes(g, u);
+        memcpy(gate + whole, &g, (count - whole) * sizeof(float));
+    }
 }
 
 static void add(float* into, const float* from, long count) {

@@ -120,6 +120,30 @@ def test_a_rows_bits_do_not_depend_on_its_company(qwen2_blocks):
     torch.testing.assert_close(beside[1].logits[0], prompt, rtol=1e-5, atol=1e-5)
 
 
+def test_silu_of_any_width_and_any_gate_gives_transformers_logits():
+    """An MLP width that is no whole number of vectors (the SiLU's tail) and gates from -100 to 100
+    (its two branches and the exp's clamp): transformers' logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=44, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.weight.mul_(400.0)  # gates of tens, both signs
+    runner = _runner(model)
+    try:
+        assert runner.on_model_thread(runner.fuses_layers)
+        tokens = [(5 * t + 3) % config.vocab_size for t in range(12)]
+        runner.on_model_thread(runner.last_logits, "silu", tokens[:9], 1)
+        verify = runner.on_model_thread(runner.last_logits, "silu", tokens, 3)
+        torch.testing.assert_close(verify.logits, _reference(model, tokens)[0][-3:], rtol=1e-5, atol=1e-5)
+    finally:
+        runner.close()
+
+
 def test_models_the_kernel_cannot_compute_keep_transformers():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
