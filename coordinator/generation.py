@@ -5,16 +5,18 @@ rounds, text and stats. The gRPC servicer and the in-process mode (`specdec gene
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from coordinator.pools import PoolInfo
 from coordinator.requests import RequestParams, check_request_work, prompt_token_ids, validate_request
 from coordinator.resume import check_resume_request, generation_record, resumable_tokens, resumed, tokens_held
-from coordinator.sessions import SessionLease, SessionRecord, SessionStore
+from coordinator.sessions import RoundSaves, SessionLease, SessionRecord, SessionStore
 from coordinator.settings import CoordinatorSettings
 from specdec.core.engine import GenerationSpec, RoundEvent, Sample, SpeculativeEngine, Stats, batches, new_samples
 from specdec.core.errors import FailedPrecondition, InvalidArgument, ServiceError
@@ -25,6 +27,9 @@ from specdec.rpc import logs, tracing
 from specdec.rpc.metrics import GenerationMetrics
 from specdec.rpc.wire import stats_to_proto
 from specdec.v1 import coordinator_pb2
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +61,11 @@ class Generation:
     draft_down: bool = False  # K > 0 asked for, the draft pool down: every round is a fallback
     arrived: float = field(default_factory=time.perf_counter)  # the call's start, for time to first token
     last_tokens_at: float | None = None  # when a round last produced tokens
+
+
+def _save(gen: Generation, token_ids: list[int], generation: dict | None) -> None:
+    gen.lease.save(token_ids, generation)
+    gen.saved = True  # the session exists now (a new one only once saved)
 
 
 class _Tally:
@@ -185,10 +195,26 @@ class Generator:
     def rounds(self, gen: Generation, is_active: Callable[[], bool], streaming: bool) -> Iterator[RoundEvent]:
         """Run the engine over the samples in batches, each round in a span of its own.
 
-        A stream saves its session after each round has been handed to the client, never
-        before: Redis holds no token the client was not sent, and a cut-off stream leaves a
-        record that `resume` finishes. A unary call saves once, when it is done: it leaves the
-        session as it was unless it returns (retrying it is its resume)."""
+        A stream saves its session behind the rounds handed to the client, never ahead of them
+        (`RoundSaves`: at most every SESSION_SAVE_INTERVAL_S, and when it ends or fails): Redis
+        holds no token the client was not sent, and a cut-off stream leaves a record that `resume`
+        finishes. A unary call saves once, when it is done: it leaves the session as it was unless
+        it returns (retrying it is its resume)."""
+        if gen.lease is None or not streaming:
+            yield from self._rounds(gen, is_active, None)
+            return
+        saves = RoundSaves(partial(_save, gen), gen.samples[0].context, self.settings.session_save_interval_s)
+        try:
+            yield from self._rounds(gen, is_active, saves)
+        except BaseException:
+            try:
+                saves.flush()  # what was sent before the failure, so that resume starts there
+            except ServiceError as exc:
+                log.warning("session %s: saving the rounds sent before a failure failed: %s", gen.session_id, exc)
+            raise
+        saves.flush()
+
+    def _rounds(self, gen: Generation, is_active: Callable[[], bool], saves: RoundSaves | None) -> Iterator[RoundEvent]:
         for batch in batches(gen.samples, gen.spec.sample_batch_size):
             events = self.engine.run(gen.spec, batch, gen.stats, gen.deadline, gen.first_round)
             # The engine runs a round while a sample of the batch runs: its Propose and Verify
@@ -202,10 +228,9 @@ class Generator:
                     self._observe_round(gen, event, tally, span)
                 gen.stats.draft_fallback_rounds += gen.draft_down
                 yield event  # a stream is resumed here only once gRPC has sent the round's chunk
-                if gen.lease is not None and streaming:
+                if saves is not None:
                     (sample,) = batch
-                    gen.lease.save(sample.context, generation_record(gen.spec, sample, event.round_index + 1))
-                    gen.saved = True
+                    saves.sent(generation_record(gen.spec, sample, event.round_index + 1))
                 if not is_active():
                     return
 

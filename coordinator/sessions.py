@@ -19,7 +19,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -84,6 +84,31 @@ class SessionLease:
         """Store the whole token history and the generation in progress (None: none is);
         renews the session TTL and the lease."""
         self.store._save(self, token_ids, generation)
+
+
+class RoundSaves:
+    """A stream's saves, behind what it sent: each round's state is handed over once sent, and saved
+    when `interval_s` has passed since the last save, when the generation has finished, and on
+    `flush` (the stream's end or failure). So Redis never holds a token the client was not sent,
+    and a coordinator that dies mid-stream loses at most `interval_s` of rounds, which a resume
+    generates again (the client keeps its tokens up to the resumed chunk's offset)."""
+
+    def __init__(self, save: Callable[[list[int], dict | None], None], context: list[int], interval_s: float):
+        self._save, self._context, self._interval_s = save, context, interval_s
+        self._pending: tuple[int, dict | None] | None = None  # (tokens of context, record) not saved yet
+        self._saved_at = time.monotonic()
+
+    def sent(self, generation: dict | None) -> None:
+        """The round just sent left `context` and this record (None: the generation has finished)."""
+        self._pending = (len(self._context), generation)
+        if generation is None or time.monotonic() - self._saved_at >= self._interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            count, generation = self._pending
+            self._save(self._context[:count], generation)  # context only grows between rounds
+            self._pending, self._saved_at = None, time.monotonic()
 
 
 class _Heartbeat:

@@ -90,3 +90,9 @@ def stop_stack(stack: Stack) -> None:
     # Wait until each has stopped: its ports are then free for the next stack.
     for event in [server.server.stop(0) for server in stack.servers]:
         event.wait(10)
+    # And until their closer threads have ended: a daemon thread that drops the last reference to a
+    # model while the interpreter exits frees tensors then, and the process aborts in C++
+    # ("terminate called without an active exception").
+    for server in stack.servers:
+        for closer in server.closers:
+            closer.join(5)

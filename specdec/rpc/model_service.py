@@ -427,8 +427,8 @@ def close_on_stop(grpc_server: GrpcServer, scheduler, grace_s: float) -> threadi
     nothing, when the server stops without a request (tests stop servers sharing a model)."""
 
     def watch() -> None:
-        while not grpc_server.stop_requested.wait(1.0):
-            if not grpc_server.server.wait_for_termination(0):
+        while not grpc_server.stop_requested.is_set():
+            if not grpc_server.server.wait_for_termination(0.25):  # False: it has terminated
                 return
         drain_until = time.monotonic() + max(0.0, grace_s - CLOSE_MARGIN_S)
         while scheduler.queued and time.monotonic() < drain_until:

@@ -8,6 +8,7 @@ real gRPC coordinator (another replica, as after a crash).
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -53,11 +54,12 @@ def generator_for(tiny_loaded, tiny_model_dirs, redis_url, tiny_stack):
     drafter = served(tiny_loaded["draft"]).drafter
     pools = PoolInfo(tiny_loaded["target"].info, tiny_loaded["draft"].info, None)
 
-    def make(fail_at: int | None) -> Generator:
+    def make(fail_at: int | None, save_interval_s: float = settings.session_save_interval_s) -> Generator:
         verifier = FailingVerifier(LocalVerifier(tiny_loaded["target"].runner), fail_at)
         decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
         engine = SpeculativeEngine(drafter, verifier, decode)
-        return Generator(settings, engine, lambda deadline, need_draft: pools, tokenizer, store)
+        chosen = replace(settings, session_save_interval_s=save_interval_s)
+        return Generator(chosen, engine, lambda deadline, need_draft: pools, tokenizer, store)
 
     yield make
     store.client.close()
@@ -102,6 +104,29 @@ def test_a_cut_stream_stores_exactly_what_was_sent_and_resume_finishes_it_as_if_
     with pytest.raises(grpc.RpcError) as nothing_left:
         coordinator_stub.Generate(resume)
     assert nothing_left.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 9.0], ids=["every-round", "behind"])
+def test_a_stream_saves_behind_its_rounds_and_when_it_ends_or_fails(generator_for, monkeypatch, interval_s):
+    """SESSION_SAVE_INTERVAL_S: 0 saves every round sent; a long interval saves only when the stream
+    ends, or fails (what it had sent), never what it had not sent."""
+    saves = []
+    original = SessionStore._save
+    monkeypatch.setattr(
+        SessionStore, "_save", lambda self, lease, ids, record: (saves.append(list(ids)), original(self, lease, ids, record))
+    )
+    uncut = list(generator_for(None, interval_s).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True))
+    rounds = len(uncut) - 1  # a chunk a round, then the final one
+    assert len(saves) == (rounds if interval_s == 0 else 1)
+    assert saves[-1] == PROMPT + [t for c in uncut for t in c.token_ids]
+    saves.clear()
+    _, received, _ = _cut_stream(generator_for(4, interval_s), build_request(PROMPT, **REQUEST))
+    assert len(saves) == (3 if interval_s == 0 else 1) and saves[-1] == PROMPT + received
+    saves.clear()
+    checks = iter([True, True, False])  # the client goes away after the third round
+    stream = generator_for(None, interval_s).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: next(checks))
+    received = [t for c in stream for t in c.token_ids]
+    assert len(saves) == (3 if interval_s == 0 else 1) and saves[-1] == PROMPT + received
 
 
 def test_chunks_say_where_their_tokens_go(generator_for):

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from coordinator.sessions import SessionLease, SessionStore
+from coordinator.sessions import RoundSaves, SessionLease, SessionStore
 from specdec.core.errors import Aborted, NotFound, Unavailable
 
 TTL_S = 100
@@ -248,3 +248,27 @@ def test_an_abandoned_lease_lapses_within_its_ttl(redis_url):
     time.sleep(1.2)
     with store.lease(session_id):
         pass
+
+
+def test_round_saves_save_behind_the_rounds_sent_and_never_ahead():
+    saves, context = [], [1, 2]
+    behind = RoundSaves(lambda ids, record: saves.append((list(ids), record)), context, interval_s=3600.0)
+    context.append(3)
+    behind.sent({"round": 1})  # within the interval: held
+    context.append(4)  # the next round runs (not sent yet)
+    assert saves == []
+    behind.flush()  # the stream ends or fails: what was sent, not what was computed since
+    assert saves == [([1, 2, 3], {"round": 1})]
+    behind.flush()
+    assert len(saves) == 1  # nothing new to save
+    behind.sent(None)  # finished: saved at once, whatever the interval
+    assert saves[-1] == ([1, 2, 3, 4], None)
+
+
+def test_round_saves_save_each_round_once_the_interval_has_passed():
+    saves, context = [], [7]
+    every = RoundSaves(lambda ids, record: saves.append(list(ids)), context, interval_s=0.0)
+    for token in (8, 9):
+        context.append(token)
+        every.sent({"round": token})
+    assert saves == [[7, 8], [7, 8, 9]]
