@@ -259,16 +259,23 @@ class AdaptiveK:
                 self.others_rows += OTHERS_SMOOTHING * (others_rows - self.others_rows)
         if self.rounds >= 2:  # rounds 0 and 1 are fixed, not the model's choices
             self.zero_streak = self.zero_streak + 1 if outcome.k == 0 else 0
+        asked = min(outcome.k, self.k_max)
         for drafted, accepted in outcome.drafts:
             examined = min(drafted, accepted + 1, self.k_max)  # drafts after a rejection are never examined
             for i in range(1, examined + 1):
                 self.offered[i] += 1
                 self.accepted[i] += i <= accepted
+            # A draft that stopped short of the K asked for (a model-free drafter without a confident
+            # match proposes fewer, often none) gained nothing past its end: for what asking for K
+            # yields, a rejection there. Else a drafter that never proposes keeps the prior's
+            # acceptance, and every round pays its Propose for nothing.
+            if accepted == drafted < asked:
+                self.offered[drafted + 1] += 1
         if self.rounds > 0:  # round 0's timings include the prefill
             steps = max((drafted for drafted, _ in outcome.drafts), default=0)
-            if steps:
-                self.draft_s += outcome.draft_s
-                self.draft_steps += steps
+            # An empty proposal's call is a cost of drafting too: spread over the tokens drafted.
+            self.draft_s += outcome.draft_s
+            self.draft_steps += steps
             if not outcome.others or not outcome.step_rows:  # the Verify's own cost at its length
                 self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
                 self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1

@@ -97,6 +97,22 @@ def test_acceptance_per_position_counts_only_examined_drafts():
     assert policy.acceptance() == pytest.approx([2 / 3, 1 / 2, 1.0])
 
 
+def test_a_drafter_that_proposes_nothing_is_asked_only_when_probing():
+    """A model-free drafter without a confident match proposes fewer tokens than asked, often none:
+    what it did not propose counts as rejected there, and its empty Proposes as drafting's cost."""
+    policy = AdaptiveK(8, probe_every=16)
+    chosen = []
+    for _ in range(80):
+        k = policy.choose()
+        chosen.append(k)
+        policy.observe(RoundOutcome(k, 0.001 if k else 0.0, 0.010, 1, [(0, 0)]))  # never a match
+    later = chosen[8:]
+    assert later.count(0) >= len(later) - 5 and set(later) <= {0, 1}  # K = 1 only as a probe
+    short = AdaptiveK(4, prior_weight=0.0)
+    short.observe(RoundOutcome(4, 0.0, 0.0, 3, [(2, 2), (4, 4), (1, 0)]))  # the first stopped after 2
+    assert short.offered[1:] == [3, 2, 2, 1] and short.accepted[1:] == [2, 2, 1, 1]
+
+
 def test_the_same_history_gives_the_same_choices():
     def run() -> list[int]:
         timings = iter([0.013, 0.011, 0.02, 0.017, 0.012] * 20)
@@ -129,8 +145,8 @@ def test_lengths_past_the_curve_cost_more_not_the_same_as_the_nearest_measured()
     curve = (6.6, 7.3, 8.2, 8.9, 9.8, 10.6, 11.7, 12.8, 16.0)
     policy = AdaptiveK(16, verify_curve=curve)
     policy.observe(RoundOutcome(2, 0.0, 0.05, 3, [(0, 0)]))  # round 0: not kept
-    for _ in range(30):  # nothing proposed: 1-row Verifies of ~10 ms
-        policy.observe(RoundOutcome(1, 0.0, 0.010, 1, [(0, 0)]))
+    for _ in range(30):  # target-only rounds: 1-row Verifies of ~10 ms
+        policy.observe(RoundOutcome(0, 0.0, 0.010, 1, [(0, 0)]))
     policy.observe(RoundOutcome(1, 0.0001, 0.012, 2, [(1, 1)]))  # one draft, accepted
     costs = [policy.verify_cost(rows) for rows in range(1, 18)]
     assert costs == sorted(costs) and costs[11] > costs[8] * 1.2  # 12 rows: a third more than 9
