@@ -99,7 +99,8 @@ def _openmp_runtime() -> str | None:
 
 
 def library_name(level: str) -> str:
-    key = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + " ".join((level, *FLAGS, torch.__version__)).encode()
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    key = sources + " ".join((level, *FLAGS, torch.__version__)).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return f"panels-{level}-{digest}.so"
 

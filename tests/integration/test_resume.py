@@ -112,9 +112,12 @@ def test_a_stream_saves_behind_its_rounds_and_when_it_ends_or_fails(generator_fo
     ends, or fails (what it had sent), never what it had not sent."""
     saves = []
     original = SessionStore._save
-    monkeypatch.setattr(
-        SessionStore, "_save", lambda self, lease, ids, record: (saves.append(list(ids)), original(self, lease, ids, record))
-    )
+
+    def save(self, lease, token_ids, record):
+        saves.append(list(token_ids))
+        original(self, lease, token_ids, record)
+
+    monkeypatch.setattr(SessionStore, "_save", save)
     uncut = list(generator_for(None, interval_s).stream(build_request(PROMPT, **REQUEST), NO_DEADLINE, lambda: True))
     rounds = len(uncut) - 1  # a chunk a round, then the final one
     assert len(saves) == (rounds if interval_s == 0 else 1)
