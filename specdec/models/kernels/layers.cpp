@@ -124,11 +124,12 @@ static void rotate(float* x, long rows, long heads, long dim, const float* cos, 
 
 // gate <- silu(gate) * up, element by element (split over the threads: each element is its own),
 // with the vector exp of attention.cpp's softmax (a libm call per element made SiLU ~9% of an int8
-// prompt's time): silu(g) = g / (1 + e^-g) = g * s, s = 1 / (1 + e) for g >= 0 and e / (1 + e) for
-// g < 0, where e = e^-|g| (exp_neg's range). A tail shorter than a vector goes through one too.
+// prompt's time), in torch's form g / (1 + e^-g), so that transformers' modules and these layers
+// differ only by the exps' last bits (an int8 model rounds these outputs to 8-bit levels next).
+// Past g = -88 e^-g is clamped: the quotient is -0 or a denormal either way. A tail shorter than a
+// vector goes through one too.
 static inline widest silu_lanes(widest g, widest up) {
-    const widest e = exp_neg(-max_of(g, -g)), one = (widest){} + 1.0f;
-    return g * ((g >= 0 ? one : e) / (one + e)) * up;
+    return g / (1.0f + exp_upto_88(-g)) * up;
 }
 
 static void silu_times(float* gate, const float* up, long count) {

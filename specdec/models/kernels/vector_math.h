@@ -30,8 +30,8 @@ static inline v16 floor_of(v16 x) {
 
 template <class V> static inline V max_of(V a, V b) { return a > b ? a : b; }
 
-// exp(x) for x <= 0: Cephes' expf (range reduction by ln 2, a degree-6 polynomial), relative error
-// about 1e-7. Below -87.3 it returns exp(-87.3) ~ 1e-38.
+// exp(x) for x <= 0 (and up to 88, exp_upto_88): Cephes' expf (range reduction by ln 2, a degree-6
+// polynomial), relative error about 1e-7. Below -87.3 it returns exp(-87.3) ~ 1e-38.
 template <class V> static inline V exp_neg(V x) {
     typedef typename IntsOf<V>::type I;
     x = max_of(x, (V){} - 87.3f);
@@ -46,4 +46,9 @@ template <class V> static inline V exp_neg(V x) {
     p = p * r * r + r + 1.0f;
     I two_n = (__builtin_convertvector(n, I) + 127) << 23;
     return p * (V)two_n;
+}
+
+// exp(x) for x <= 88 (exp_neg's arithmetic holds there; past it a float overflows): x clamped to 88.
+template <class V> static inline V exp_upto_88(V x) {
+    return exp_neg(x < 88.0f ? x : (V){} + 88.0f);
 }
