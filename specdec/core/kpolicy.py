@@ -6,9 +6,10 @@
     time(K)       = K * c_draft + verify(K + 1) + overhead
 
 a_i is the acceptance of draft position i given 1..i-1 were accepted (accepted / offered at i,
-under a weak prior that leans on position i - 1), c_draft the measured draft cost per drafted
-token, verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated
-from the nearest measured one, scaled by the target's forward-cost curve (what the target service
+under a weak prior that leans on position i - 1; a position a draft stopped short of counts as
+rejected), c_draft the measured draft cost per drafted token (empty proposals' calls included),
+verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated from the
+nearest measured one, scaled by the target's forward-cost curve (what the target service
 measured at start, `ModelInfo.forward_cost_ms`, extended past its rows by its upper half's slope);
 without a curve, the 1-row cost times a default factor, never below a measured shorter length.
 
