@@ -142,6 +142,8 @@ class AdaptiveK:
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
+        self.asked = 0  # sequences asked for a draft (K > 0)
+        self.proposed = 0  # of which the drafter proposed at least one token
         self.draft_s = 0.0
         self.draft_steps = 0
         self.verify_sum: dict[int, float] = {}  # rows -> summed seconds
@@ -227,9 +229,14 @@ class AdaptiveK:
             low = int(mean_k)
             high = min(low + 1, self.k_max)
             others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
+        # A drafter that proposes nothing (no confident match) leaves a 1-row Verify: the K + 1 rows
+        # are paid only when it proposes (a model-free drafter's length is its own, not K's).
+        proposes = (self.proposed + self.prior_weight) / (self.asked + self.prior_weight)
+        one_row = self.verify_cost(1)
         out = []
         for k in range(self.k_max + 1):
-            verify = self.verify_cost(k + 1) + self.overhead_s
+            rows_cost = self.verify_cost(k + 1) if k else one_row
+            verify = proposes * rows_cost + (1 - proposes) * one_row + self.overhead_s
             own = self.own * expected[k] / (k * draft + verify)
             out.append(own + others / verify)  # the others do not wait for our draft
         return out
@@ -272,6 +279,9 @@ class AdaptiveK:
             # acceptance, and every round pays its Propose for nothing.
             if accepted == drafted < asked:
                 self.offered[drafted + 1] += 1
+            if asked:
+                self.asked += 1
+                self.proposed += drafted > 0
         if self.rounds > 0:  # round 0's timings include the prefill
             steps = max((drafted for drafted, _ in outcome.drafts), default=0)
             # An empty proposal's call is a cost of drafting too: spread over the tokens drafted.

@@ -113,6 +113,21 @@ def test_a_drafter_that_proposes_nothing_is_asked_only_when_probing():
     assert short.offered[1:] == [3, 2, 2, 1] and short.accepted[1:] == [2, 2, 1, 1]
 
 
+def test_rounds_without_a_proposal_cost_a_one_row_verify_not_k_plus_one_rows():
+    """A drafter that proposes in every other round, all accepted: rows cost 60% of a 1-row Verify
+    each. Priced at K + 1 rows every round, no K would pay (K = 1: 1.5 tokens for 1.6 rows); priced
+    at K + 1 rows only when it proposes, and 1 row otherwise, drafting does."""
+    policy = AdaptiveK(8, probe_every=4)
+    chosen = []
+    for n in range(80):
+        k = policy.choose()
+        chosen.append(k)
+        drafted = k if n % 2 == 0 else 0
+        verify = 0.010 * (1 + 0.6 * drafted)
+        policy.observe(RoundOutcome(k, 0.0, verify, 1 + drafted, [(drafted, drafted)]))
+    assert sum(k > 0 for k in chosen[-20:]) >= 15
+
+
 def test_the_same_history_gives_the_same_choices():
     def run() -> list[int]:
         timings = iter([0.013, 0.011, 0.02, 0.017, 0.012] * 20)
