@@ -3,12 +3,14 @@
 `AdaptiveK` maximises expected tokens per second from the request's own history:
 
     E[tokens | K] = 1 + sum_{i=1..K} prod_{j<=i} a_j          (Leviathan et al.)
-    time(K)       = K * c_draft + verify(K + 1) + overhead
+    time(K)       = K * c_draft + p verify(K + 1) + (1 - p) verify(1) + overhead
 
 a_i is the acceptance of draft position i given 1..i-1 were accepted (accepted / offered at i,
 under a weak prior that leans on position i - 1; a position a draft stopped short of counts as
 rejected), c_draft the measured draft cost per drafted token (empty proposals' calls included),
-verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated from the
+p the share of asks the drafter answered with a proposal (a model-free drafter without a confident
+match proposes nothing, and its round verifies one row), verify(r) the measured cost of a Verify of
+r rows. A length not measured yet is estimated from the
 nearest measured one, scaled by the target's forward-cost curve (what the target service
 measured at start, `ModelInfo.forward_cost_ms`, extended past its rows by its upper half's slope);
 without a curve, the 1-row cost times a default factor, never below a measured shorter length.
