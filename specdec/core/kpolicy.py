@@ -10,10 +10,10 @@ under a weak prior that leans on position i - 1; a position a draft stopped shor
 rejected), c_draft the measured draft cost per drafted token (empty proposals' calls included),
 p the share of asks the drafter answered with a proposal (a model-free drafter without a confident
 match proposes nothing, and its round verifies one row), verify(r) the measured cost of a Verify of
-r rows. A length not measured yet is estimated from the
-nearest measured one, scaled by the target's forward-cost curve (what the target service
-measured at start, `ModelInfo.forward_cost_ms`, extended past its rows by its upper half's slope);
-without a curve, the 1-row cost times a default factor, never below a measured shorter length.
+r rows. A length not measured yet is estimated from the nearest measured one, scaled by the
+target's forward-cost curve (what the target service measured at start, `ModelInfo.forward_cost_ms`,
+extended past its rows by its upper half's slope); without a curve, the 1-row cost times a default
+factor, never below a measured shorter length.
 
 In a batch (the target reports the sequences and rows of each Verify's whole step) the cost that
 matters is the shared step's: K draft rows lengthen a step that carries the others' rows too. The
