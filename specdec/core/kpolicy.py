@@ -233,6 +233,7 @@ class AdaptiveK:
             others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
         # A drafter that proposes nothing (no confident match) leaves a 1-row Verify: the K + 1 rows
         # are paid only when it proposes (a model-free drafter's length is its own, not K's).
+        # Under the same weak prior as acceptance, leaning on "it proposes" (a model draft always does).
         proposes = (self.proposed + self.prior_weight) / (self.asked + self.prior_weight)
         one_row = self.verify_cost(1)
         out = []

@@ -65,7 +65,7 @@ def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
         parts.append(linear.bias.detach().to(torch.float32).contiguous())
     bias = parts[-1].data_ptr() if linear.bias is not None else 0
     form = _FORMS.get(type(weights), 0)
-    if isinstance(weights, panels.INT8_FORMS) and weights.scale.dtype == torch.float16:
+    if isinstance(weights, panels.INT8_FORMS) and panels.half_scales(weights):
         form += _HALF
     return [form, *addresses, linear.out_features, bias], parts
 

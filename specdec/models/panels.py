@@ -365,6 +365,11 @@ def _narrowed(*parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return parts
 
 
+def half_scales(panels: Int8Q4Panels | Int8Q8Panels) -> bool:
+    """Whether an int8 form's scales (and offsets) are float16 (`_narrowed`): int8.cpp's `half`."""
+    return panels.scale.dtype == torch.float16
+
+
 def to_int8(compact: Q4Panels | Q8Panels) -> Int8Q4Panels | Int8Q8Panels:
     """The same weights laid out for `product` with int8 rows."""
     if isinstance(compact, Q4Panels):
@@ -399,7 +404,7 @@ def product(
         if lib is None:
             raise RuntimeError(f"the panels kernel is unavailable: {why}")
     if isinstance(panels, INT8_FORMS):
-        half = int(panels.scale.dtype == torch.float16)
+        half = int(half_scales(panels))
         q4, q8 = (lambda *a: lib.int8_q4_product(*a, half)), (lambda *a: lib.int8_q8_product(*a, half))
         y, status = _run(x, panels, out_features, "int8 product", q4, q8)
         if status != 0:

@@ -123,32 +123,23 @@ static void rotate(float* x, long rows, long heads, long dim, const float* cos, 
 }
 
 // gate <- silu(gate) * up, element by element (split over the threads: each element is its own),
-// with the vector exp of attention.cpp's softmax (a libm call per element made SiLU ~9% of an int8
-// prompt's time), in torch's form g / (1 + e^-g), so that transformers' modules and these layers
-// differ only by the exps' last bits (an int8 model rounds these outputs to 8-bit levels next).
-// Past g = -88 e^-g is clamped: the quotient is -0 or a denormal either way. A tail shorter than a
-// vector goes through one too.
-static inline widest silu_lanes(widest g, widest up) {
-    return g / (1.0f + exp_upto_88(-g)) * up;
+// with vector_math.h's exp (a libm call per element made SiLU ~9% of an int8 prompt's time), in
+// torch's form g / (1 + e^-g), so that transformers' modules and these layers differ only by the
+// exps' last bits (an int8 model rounds these outputs to 8-bit levels next). Past g = -88 e^-g is
+// clamped: the quotient is -0 or a denormal either way.
+static inline void silu_chunk(float* gate, const float* up, long n) {  // n <= WIDEST (a tail: fewer)
+    widest g = {}, u = {};
+    memcpy(&g, gate, n * sizeof(float));
+    memcpy(&u, up, n * sizeof(float));
+    g = g / (1.0f + exp_upto_88(-g)) * u;
+    memcpy(gate, &g, n * sizeof(float));
 }
 
 static void silu_times(float* gate, const float* up, long count) {
     const long whole = count / WIDEST * WIDEST;
 #pragma omp parallel for schedule(static) if (count >= 16384)
-    for (long i = 0; i < whole; i += WIDEST) {
-        widest g, u;
-        memcpy(&g, gate + i, sizeof g);
-        memcpy(&u, up + i, sizeof u);
-        g = silu_lanes(g, u);
-        memcpy(gate + i, &g, sizeof g);
-    }
-    if (whole < count) {
-        widest g = {}, u = {};
-        memcpy(&g, gate + whole, (count - whole) * sizeof(float));
-        memcpy(&u, up + whole, (count - whole) * sizeof(float));
-        g = silu_lanes(g, u);
-        memcpy(gate + whole, &g, (count - whole) * sizeof(float));
-    }
+    for (long i = 0; i < whole; i += WIDEST) silu_chunk(gate + i, up + i, WIDEST);
+    if (whole < count) silu_chunk(gate + whole, up + whole, count - whole);
 }
 
 static void add(float* into, const float* from, long count) {
