@@ -42,13 +42,12 @@ from specdec.models.threads import set_torch_threads
 SESSIONS = 16
 
 
-def _load(threads: int, calibrate_max_rows: int, layout: str, dtype: str, matmul_dtype: str) -> ModelRunner:
-    """The target as a service loads it: on a thread that then ends, so that the model thread's
-    OpenMP team is the only one left in the process (`specdec.models.openmp_env`)."""
+def _load(**settings) -> ModelRunner:
+    """The target as a service loads it (`settings`: TargetSettings fields): on a thread that then
+    ends, so that the model thread's OpenMP team is the only one left in the process
+    (`specdec.models.openmp_env`)."""
     loaded: list[ModelRunner] = []
-    loader = threading.Thread(
-        target=lambda: loaded.append(_load_here(threads, calibrate_max_rows, layout, dtype, matmul_dtype))
-    )
+    loader = threading.Thread(target=lambda: loaded.append(_load_here(**settings)))
     loader.start()
     loader.join()
     if not loaded:
@@ -56,24 +55,13 @@ def _load(threads: int, calibrate_max_rows: int, layout: str, dtype: str, matmul
     return loaded[0]
 
 
-def _load_here(threads: int, calibrate_max_rows: int, layout: str, dtype: str, matmul_dtype: str) -> ModelRunner:
+def _load_here(**settings) -> ModelRunner:
     from specdec.models.sources import DEFAULT_MODEL
     from specdec.rpc.model_service import load_model
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 
-    settings = load_settings(
-        TargetSettings,
-        [],
-        {},
-        model=DEFAULT_MODEL,
-        torch_threads=threads,
-        calibrate_max_rows=calibrate_max_rows,
-        linear_layout=layout,
-        dtype=dtype,
-        matmul_dtype=matmul_dtype,
-    )
-    return load_model(settings, "target").runner
+    return load_model(load_settings(TargetSettings, [], {}, model=DEFAULT_MODEL, **settings), "target").runner
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -143,6 +131,7 @@ def main() -> None:
     parser.add_argument("--layout", default="auto", help="LINEAR_LAYOUT, as the service setting")
     parser.add_argument("--dtype", default="float32", help="DTYPE, as the service setting")
     parser.add_argument("--matmul-dtype", default="float32", help="MATMUL_DTYPE, as the service setting")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV_CACHE_DTYPE, as the service setting")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     # This thread's own tensor ops (the logit comparisons) stay on it: a team of its own would
@@ -154,7 +143,14 @@ def main() -> None:
         parser.error(f"at most {SESSIONS} sessions per step")
 
     loaded_at = time.perf_counter()
-    runner = _load(args.threads, args.calibrate_max_rows, args.layout, args.dtype, args.matmul_dtype)
+    runner = _load(
+        torch_threads=args.threads,
+        calibrate_max_rows=args.calibrate_max_rows,
+        linear_layout=args.layout,
+        dtype=args.dtype,
+        matmul_dtype=args.matmul_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     bench = Bench(runner, args.context, args.seed)
     print(
         f"{hostinfo.summary(hostinfo.describe())}; loaded and prefilled in {time.perf_counter() - loaded_at:.0f} s;"

@@ -140,17 +140,23 @@ def _tuned_or_panels(runner, plans: dict[tuple[int, int], LayoutPlan], max_rows:
     return tuned_seconds
 
 
-def plan_layouts(runner, layout: str, max_rows: int, int8: bool = False) -> ForwardCosts | None:
+def plan_layouts(
+    runner, layout: str, max_rows: int, int8: bool = False, before_measuring: Callable[[], object] | None = None
+) -> ForwardCosts | None:
     """Apply a service's `linear_layout` setting to its model and measure its forward costs.
 
     "auto" swaps the float32 CPU linears for planned ones and keeps the fastest layout per weight
     shape and row count; a named layout applies to all. The curve is measured either way (None
     when max_rows is 0). Weight copies that no plan uses are freed. int8: linears with 4- or 8-bit
     weights multiply int8 rows at every row count instead (`cpu_layout.PlannedLinear`).
+    before_measuring: called once the plans apply, before any forward (what else the curve must
+    include, such as the caches' dtype).
     """
     auto = layout == AUTO
     copies = COPIES if auto else tuple(c for c in COPIES if c == layout)
     plans = use_layout_plans(runner.model, LINEAR if auto else layout, copies, int8)
+    if before_measuring is not None:
+        before_measuring()
     costs = None
     if max_rows > 0:
         if auto:

@@ -139,7 +139,7 @@ def fused_forward(
     failed = compiled.lib.decoder_layers(
         h.data_ptr(), h.shape[0], fused.hidden, fused.intermediate, fused.table.data_ptr(), fused.table.shape[0],
         fused.eps, cos.data_ptr(), sin.data_ptr(), compiled.tables.data_ptr(), compiled.tables.shape[1], heads,
-        kv_heads, dim, ctypes.c_float(attention.scaling), int(tiles),
+        kv_heads, dim, ctypes.c_float(attention.scaling), int(tiles), int(compiled.half),
     )
     if failed:
         raise MemoryError("the fused decoder layers could not allocate their scratch rows")

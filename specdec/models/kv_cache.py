@@ -16,6 +16,13 @@ their first positions from one copy: a layer may carry `prefix_keys` / `prefix_v
 after them (`fork_cache`). The model's own attention reads a layer's keys/values whole, so such a
 layer refuses `update`: only ragged attention (`specdec.models.ragged`) reads it, attending to the
 prefix and to the layer's own positions separately and merging the two by their log-sum-exps.
+
+float16 caches. A model may store its keys/values as float16 (`set_cache_dtype`, the services'
+KV_CACHE_DTYPE): half the memory a cached token takes and half the bytes the compiled attention
+reads a step. Such a model's caches are made with that dtype (`new_cache(config, dtype)`, and forks
+and copies take their source's): `append` rounds what it writes to it, the compiled kernel's
+`reserve` makes its buffers in it, and readers other than that kernel widen what they read, so
+every row attends to the same rounded keys/values whichever path computed it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,18 @@ class SharedRoot:
     length: int
 
 
+_CACHE_DTYPE = "_specdec_kv_cache_dtype"
+
+
+def cache_dtype(model) -> torch.dtype | None:
+    """What the model's session caches store (`set_cache_dtype`); None: the dtype its layers compute."""
+    return getattr(model, _CACHE_DTYPE, None)
+
+
+def set_cache_dtype(model, dtype: torch.dtype | None) -> None:
+    setattr(model, _CACHE_DTYPE, dtype)
+
+
 def _capacity(needed: int) -> int:
     return needed + max(GROWTH_MIN, needed // 4)
 
@@ -51,6 +70,9 @@ class ReservedLayer(DynamicLayer):
     prefix_keys: torch.Tensor | None = None
     prefix_values: torch.Tensor | None = None
     prefix_root: SharedRoot | None = None
+    # What `append` stores (None: what it is given) where the layer has no buffer yet; a buffer
+    # keeps its dtype (only `reserve` makes one of another).
+    storage_dtype: torch.dtype | None = None
     # Own positions counted by `extend` whose views are not made yet: a batched step extends every
     # layer of every session (8 sessions: 240 layers, two slicings each, ~1.5 ms of a ~18 ms step),
     # and the next step's kernels read the buffers, not the views. Made when keys/values are read.
@@ -116,8 +138,9 @@ class ReservedLayer(DynamicLayer):
         )
 
     def _reserve(self, length: int, needed: int, like: torch.Tensor, like_values: torch.Tensor) -> None:
-        """Buffers holding at least `needed` positions, the current first `length` copied over."""
-        if self._views_buffers() and self._key_buffer.shape[-2] >= needed:
+        """Buffers of like's dtype holding at least `needed` positions, the current first `length`
+        copied over (converted, where the dtype changes)."""
+        if self._views_buffers() and self._key_buffer.shape[-2] >= needed and self._key_buffer.dtype == like.dtype:
             return
         batch, heads, _, key_dim = like.shape
         capacity = _capacity(needed)
@@ -133,7 +156,7 @@ class ReservedLayer(DynamicLayer):
     def reserve(self, rows: int, like: torch.Tensor) -> tuple[int, int, int]:
         """Room for `rows` more own positions, to be written straight into the buffers (the compiled
         attention kernel: `specdec.models.ragged`), then counted by `extend`. like: [1, kv heads, 0,
-        head dim] of the layer's dtype, for a layer that holds nothing yet. Returns (key buffer
+        head dim] of the dtype the buffers must have (`cache_dtype`). Returns (key buffer
         address, value buffer address, capacity in positions); each buffer is [kv heads, capacity,
         head dim], contiguous."""
         if not self.is_initialized:
@@ -156,12 +179,15 @@ class ReservedLayer(DynamicLayer):
         return self.append(key_states, value_states)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes the new positions after the own ones; returns the own keys/values (the prefix's
-        are `prefix_keys` / `prefix_values`)."""
+        """Writes the new positions after the own ones, in the buffers' dtype where they have one;
+        returns the own keys/values (the prefix's are `prefix_keys` / `prefix_values`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.own_length()
         needed = length + key_states.shape[-2]
+        dtype = self.storage_dtype if self._key_buffer is None else self._key_buffer.dtype
+        if dtype is not None:  # a float16 cache rounds its new rows, whoever writes them
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
         self._reserve(length, needed, key_states, value_states)
         self._key_buffer[:, :, length:needed].copy_(key_states)
         self._value_buffer[:, :, length:needed].copy_(value_states)
@@ -202,12 +228,17 @@ class ReservedLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(config) -> DynamicCache:
-    """A DynamicCache for `config` whose full-attention layers are ReservedLayers (sliding-window
-    and other layer kinds stay as transformers makes them)."""
+def new_cache(config, dtype: torch.dtype | None = None) -> DynamicCache:
+    """A DynamicCache for `config` whose full-attention layers are ReservedLayers storing `dtype`
+    (None: what the model computes; sliding-window and other layer kinds stay as transformers
+    makes them)."""
     cache = DynamicCache()  # layers set below, as DynamicCache(config=) would, without reading the config again
     cache.layers = [make() for make in _layer_makers(config)]
     cache.layer_class_to_replicate = None
+    if dtype is not None:
+        for layer in cache.layers:
+            if isinstance(layer, ReservedLayer):
+                layer.storage_dtype = dtype
     return cache
 
 
@@ -232,6 +263,11 @@ def shareable(cache) -> bool:
     return bool(layers) and all(isinstance(layer, ReservedLayer) for layer in layers)
 
 
+def storage_dtype(cache) -> torch.dtype | None:
+    """The dtype a cache's ReservedLayers were made to store (`new_cache`), or None."""
+    return next((layer.storage_dtype for layer in cache.layers if isinstance(layer, ReservedLayer)), None)
+
+
 def shared_prefix(cache) -> tuple[SharedRoot | None, int]:
     """(the root the cache's prefix views, its prefix length), or (None, 0)."""
     layers = getattr(cache, "layers", None)
@@ -250,7 +286,7 @@ def fork_cache(source: DynamicCache, n: int, config) -> DynamicCache:
         root = SharedRoot(n)
         for layer in source.layers:
             layer.share_first(n, root)
-    cache = new_cache(config)
+    cache = new_cache(config, storage_dtype(source))
     for src, dst in zip(source.layers, cache.layers, strict=True):
         shared = min(n, src.prefix_len)
         dst.prefix_keys = src.prefix_keys[:, :, :shared]
@@ -264,7 +300,7 @@ def fork_cache(source: DynamicCache, n: int, config) -> DynamicCache:
 def copy_cache(source: DynamicCache, n: int, config) -> DynamicCache:
     """A new cache holding copies of a `shareable` source's keys/values of positions [0, n) only (a
     long source is not copied whole for a short shared prefix), its prefix's included."""
-    cache = new_cache(config)
+    cache = new_cache(config, storage_dtype(source))
     for index, layer in enumerate(source.layers):  # keys/values: [batch, kv heads, positions, head dim]
         shared = min(n, layer.prefix_len)
         if shared:

@@ -70,8 +70,8 @@ PREBUILT_DIR = SOURCES[0].parent
 # Built with these flags and -march=<level>; no exceptions or RTTI, so it needs no C++ runtime.
 FLAGS = ("-O3", "-mtune=generic", "-fPIC", "-fopenmp", "-fno-exceptions", "-fno-rtti")
 LEVELS = {
-    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"},
-    "x86-64-v3": {"avx2", "fma", "bmi2"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c"},
+    "x86-64-v3": {"avx2", "fma", "bmi2", "f16c"},
 }
 
 
@@ -185,10 +185,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ragged_attention_supports.argtypes = [size]
     lib.ragged_attention_supports.restype = ctypes.c_int
     lib.ragged_attention.argtypes = [ptr, size, size, ptr, size, size, ptr, size, size, ptr, size, size, size, size]
-    lib.ragged_attention.argtypes += [ctypes.c_float, ptr]
+    lib.ragged_attention.argtypes += [ctypes.c_float, ptr, size]
     lib.ragged_attention.restype = None
     lib.decoder_layers.argtypes = [ptr, size, size, size, ptr, size, ctypes.c_float, ptr, ptr, ptr, size, size, size]
-    lib.decoder_layers.argtypes += [size, ctypes.c_float, size]
+    lib.decoder_layers.argtypes += [size, ctypes.c_float, size, size]
     lib.decoder_layers.restype = ctypes.c_int
     lib.amx_request.argtypes = []
     lib.amx_request.restype = ctypes.c_int

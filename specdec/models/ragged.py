@@ -31,7 +31,7 @@ import torch
 
 from specdec.models import panels
 from specdec.models.fused import fused_forward, fused_layers
-from specdec.models.kv_cache import shareable, shared_prefix
+from specdec.models.kv_cache import cache_dtype, shareable, shared_prefix
 
 RAGGED_ATTENTION = "specdec_ragged"
 # Segments of at most this many new rows attend in the compiled kernel; longer ones (prompts) in
@@ -66,6 +66,7 @@ class CompiledSegments:
     # length (zeros without one): the kernel's Segment.
     tables: torch.Tensor
     lib: ctypes.CDLL
+    half: bool = False  # the caches hold float16 (`kv_cache.cache_dtype`)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def ragged_attention(
         if getattr(layer, "prefix_keys", None) is None:
             # The session's keys/values through this segment: [1, Hkv, past + n, D].
             keys, values = seg.kv.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
+            keys, values = keys.to(query.dtype), values.to(query.dtype)  # a float16 cache's, widened
             n = seg.end - seg.start
             if exact_form(module, seg.mask, keys.shape[2] - n, n):
                 exact.append((index, (query[:, :, rows], keys, values)))  # bfloat16 products: all at once, below
@@ -162,7 +164,7 @@ def _compiled_attention(module, query, key, value, compiled: CompiledSegments, s
     compiled.lib.ragged_attention(
         query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), key.stride(2), key.stride(1),
         value.data_ptr(), value.stride(2), value.stride(1), table.data_ptr(), table.shape[0], heads, key.shape[1],
-        dim, dim**-0.5 if scale is None else scale, out.data_ptr(),
+        dim, dim**-0.5 if scale is None else scale, out.data_ptr(), int(compiled.half),
     )
     return out
 
@@ -188,34 +190,41 @@ def _head_dim(config) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
-def _compile_segments(batch: RaggedBatch, config, indices: list[int] | None = None) -> RaggedBatch:
+def _compile_segments(batch: RaggedBatch, config, dtype: torch.dtype, indices: list[int] | None = None) -> RaggedBatch:
     """The batch with its short segments (`_compilable`; `indices` when the caller has them)
-    marked for the compiled kernel, each of their cache layers' own buffers reserved for the new rows."""
+    marked for the compiled kernel, each of their cache layers' own buffers reserved for the new
+    rows, in `dtype` (float32 or float16: the model's `cache_dtype`)."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=torch.float32)
+    like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=dtype)
     if indices is None:
-        indices = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
+        indices = [i for i, seg in enumerate(batch.segments) if _compilable(seg, dtype)]
     columns = []
     for index in indices:
         seg = batch.segments[index]
         rows = seg.end - seg.start
         past = seg.kv.get_seq_length()
         columns.append(
-            [(seg.start, rows, past, *layer.reserve(rows, like), *_prefix_columns(layer)) for layer in seg.kv.layers]
+            [
+                (seg.start, rows, past, *layer.reserve(rows, like), *_prefix_columns(layer, dtype))
+                for layer in seg.kv.layers
+            ]
         )
     if not indices:
         return batch
     tables = torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous()  # [layers, segments, 10]
-    return replace(batch, compiled=CompiledSegments(frozenset(indices), tables, panels.kernel_library()))
+    half = dtype == torch.float16
+    return replace(batch, compiled=CompiledSegments(frozenset(indices), tables, panels.kernel_library(), half))
 
 
-def _prefix_columns(layer) -> tuple[int, int, int, int] | None:
+def _prefix_columns(layer, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
     """(key address, value address, capacity, length) of the shared prefix a cache layer reads, as
-    the kernel reads it ([kv heads][capacity][dim], positions contiguous); zeros without one; None
-    when its keys/values are not laid out so."""
+    the kernel reads it ([kv heads][capacity][dim] of `dtype`, positions contiguous); zeros without
+    one; None when its keys/values are not laid out so."""
     keys, values = layer.prefix_keys, layer.prefix_values
     if keys is None:
         return 0, 0, 0, 0
+    if keys.dtype != dtype or values.dtype != dtype:
+        return None
     dim = keys.shape[-1]
     laid_out = all(t.shape[0] == 1 and t.stride(-1) == 1 and t.stride(-2) == dim for t in (keys, values))
     if not laid_out or keys.stride(1) != values.stride(1) or keys.stride(1) % dim:
@@ -223,26 +232,28 @@ def _prefix_columns(layer) -> tuple[int, int, int, int] | None:
     return keys.data_ptr(), values.data_ptr(), keys.stride(1) // dim, keys.shape[-2]
 
 
-def _compilable(seg: Segment) -> bool:
+def _compilable(seg: Segment, dtype: torch.dtype) -> bool:
     """Whether the compiled kernels take this segment: a few rows, its cache laid out for them."""
-    return seg.end - seg.start <= COMPILED_MAX_ROWS and _cache_laid_out(seg)
+    return seg.end - seg.start <= COMPILED_MAX_ROWS and _cache_laid_out(seg, dtype)
 
 
-def _cache_laid_out(seg: Segment) -> bool:
+def _cache_laid_out(seg: Segment, dtype: torch.dtype) -> bool:
     """Its cache's layers all reserve buffers, and a shared prefix (if any) is laid out as the
-    kernel reads it."""
+    kernel reads it, in `dtype`."""
     if not shareable(seg.kv):
         return False
-    return shared_prefix(seg.kv)[0] is None or all(_prefix_columns(layer) is not None for layer in seg.kv.layers)
+    if shared_prefix(seg.kv)[0] is None:
+        return True
+    return all(_prefix_columns(layer, dtype) is not None for layer in seg.kv.layers)
 
 
-def _prompts_fused(batch: RaggedBatch, fused) -> bool:
+def _prompts_fused(batch: RaggedBatch, fused, dtype: torch.dtype) -> bool:
     """Whether the fused layers take this batch of prompts (every segment longer than
     COMPILED_MAX_ROWS): where every linear multiplies int8 rows (as every other row of the model
     does), or has a compact copy and the CPU AMX tiles for its products (`_prompts_on_tiles`)."""
     if not (fused.int8 or _prompts_on_tiles(fused)):
         return False
-    return all(seg.end - seg.start > COMPILED_MAX_ROWS and _cache_laid_out(seg) for seg in batch.segments)
+    return all(seg.end - seg.start > COMPILED_MAX_ROWS and _cache_laid_out(seg, dtype) for seg in batch.segments)
 
 
 def _prompts_on_tiles(fused) -> bool:
@@ -308,6 +319,7 @@ def _flash(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor
 
     Called directly, the kernel skips F.sdpa's checks and reads a strided last dimension wrongly:
     a (W @ x^T)^T projection's one-row query is such a view (`cpu_layout`, WEIGHT_MAJOR)."""
+    keys, values = keys.to(query.dtype), values.to(query.dtype)  # a float16 cache's, widened
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, keys, values, 0.0, False, attn_mask=mask, scale=scale
@@ -357,19 +369,20 @@ def ragged_forward(
     compiled: short segments attend in the compiled kernel (only where `compiled_attention_ok`),
     and run whole in the fused decoder layers where the model has them (`fused.fused_layers`)."""
     fused = fused_layers(model) if compiled else None
+    dtype = cache_dtype(model) or torch.float32  # the compiled kernels': a float32 model's
     if fused is not None:
-        short = [i for i, seg in enumerate(batch.segments) if _compilable(seg)]
+        short = [i for i, seg in enumerate(batch.segments) if _compilable(seg, dtype)]
         if short and len(short) < len(batch.segments):
             return _split_forward(model, batch, short, logits_to_keep, want_hidden, **inputs)
-        prompts = not short and _prompts_fused(batch, fused)  # all short, or all prompts here
+        prompts = not short and _prompts_fused(batch, fused, dtype)  # all short, or all prompts here
         if short or prompts:
-            batch = _compile_segments(batch, model.config, short or list(range(len(batch.segments))))
+            batch = _compile_segments(batch, model.config, dtype, short or list(range(len(batch.segments))))
             tiles = prompts and _prompts_on_tiles(fused)
             out = fused_forward(model, batch, fused, logits_to_keep, want_hidden, tiles=tiles, **inputs)
             _settle_compiled(batch)
             return out
     if compiled:
-        batch = _compile_segments(batch, model.config)
+        batch = _compile_segments(batch, model.config, dtype)
     with attention_implementation(model, RAGGED_ATTENTION):
         out = model(
             **inputs,

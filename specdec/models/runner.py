@@ -23,7 +23,16 @@ from specdec.core.errors import Unavailable
 from specdec.core.tokens import common_prefix_length
 from specdec.models.draft_artifact import fused_inputs, needs_target_hidden
 from specdec.models.fused import fused_layers
-from specdec.models.kv_cache import SharedRoot, copy_cache, fork_cache, new_cache, shareable, shared_prefix
+from specdec.models.kv_cache import (
+    SharedRoot,
+    cache_dtype,
+    copy_cache,
+    fork_cache,
+    new_cache,
+    set_cache_dtype,
+    shareable,
+    shared_prefix,
+)
 from specdec.models.ragged import build_batch, compiled_attention_ok, ragged_forward, supports_ragged
 
 # Set on every model thread (the executors' initializer): close() must not wait for its own thread.
@@ -359,7 +368,7 @@ class ModelRunner:
         return self.submit(fn, *args, **kwargs).result()
 
     def _new_cache(self):
-        return new_cache(self.model.config)
+        return new_cache(self.model.config, cache_dtype(self.model))
 
     @torch.inference_mode()
     def last_logits(
@@ -536,6 +545,21 @@ class ModelRunner:
         if self._compiled_attention is None:
             self._compiled_attention = compiled_attention_ok(self.model)
         return self._compiled_attention and self._ragged_ok()
+
+    def store_caches_as(self, dtype: torch.dtype | None) -> None:
+        """Session caches hold keys/values of `dtype` from now on (`kv_cache.cache_dtype`): None
+        (what the model computes), float32, or float16 where every cached forward attends in the
+        compiled kernel, which reads float16 buffers as they are (`_compiled_ok`). Empties the cache."""
+        if dtype not in (None, torch.float32, torch.float16):
+            raise ValueError(f"KV caches are float32 or float16, not {dtype}")
+        if dtype == torch.float16 and not self._compiled_ok():
+            raise ValueError(
+                "float16 KV caches need the compiled attention kernel: a float32 model of a Llama-shaped "
+                "architecture on an x86-64 CPU with AVX2 (see the log for the kernels' build)"
+            )
+        set_cache_dtype(self.model, dtype)
+        with self._lock:  # (not on_model_thread: this may run there)
+            self.cache.clear()
 
     def fuses_layers(self) -> bool:
         """Whether cached forwards of short segments run whole in the fused decoder layers

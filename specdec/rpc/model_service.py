@@ -25,6 +25,7 @@ from specdec.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 MATMUL_DTYPES = ("float32", "bfloat16", "int8", "auto")
+KV_CACHE_DTYPES = ("float32", "float16", "auto")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,13 @@ class ModelServerSettings(ServerTlsSettings):
         "(AVX-512 VNNI; another model's numerics, ~3x cheaper rows) | auto = int8 where the CPU and the "
         "weights allow it, else float32 | float32",
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV_CACHE_DTYPE",
+        "what session caches store: float16 = keys/values rounded to float16 (half the memory a cached token "
+        "takes and half what attention reads a step; needs the compiled CPU kernels) | auto = float16 with int8 "
+        "products (already another model's numerics), else float32 | float32 = as the model computes them",
+    )
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
     )
@@ -125,6 +133,8 @@ class ModelServerSettings(ServerTlsSettings):
             raise ValueError(f"linear_layout must be auto or one of {', '.join(LAYOUTS)}, got {self.linear_layout!r}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.matmul_dtype in ("bfloat16", "int8") and self.compile == "on":
             raise ValueError(f"matmul_dtype {self.matmul_dtype} runs eagerly: set compile to off or auto")
         if not 0 <= self.calibrate_max_rows <= 64:
@@ -266,7 +276,13 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
         matmul_dtype = "bfloat16" if block else ""
         log.info("%s decoder linears in bfloat16, rows in blocks of %d", role, block)
     int8 = int8_matmuls_wanted(settings.matmul_dtype, runner)
-    costs = plan_layouts(runner, settings.linear_layout, settings.calibrate_max_rows, int8=int8)
+    costs = plan_layouts(
+        runner,
+        settings.linear_layout,
+        settings.calibrate_max_rows,
+        int8=int8,
+        before_measuring=lambda: use_kv_cache_dtype(runner, settings.kv_cache_dtype, role),
+    )
     if int8 and (count := int8_linears(runner.model, required=settings.matmul_dtype == "int8")):
         matmul_dtype = "int8"
         log.info("%s: %d linears multiply int8 rows (MATMUL_DTYPE %s)", role, count, settings.matmul_dtype)
@@ -305,6 +321,24 @@ def bf16_matmuls_wanted(setting: str, runner) -> bool:
         # Measured on an AVX-512 EPYC with avx512_bf16: within noise of float32 (docs/performance.md, bfloat16 products).
         log.warning("matmul_dtype bfloat16 on a CPU without AMX tiles: expect no gain over float32")
     return True
+
+
+def use_kv_cache_dtype(runner, setting: str, role: str) -> str:
+    """Applies a service's KV_CACHE_DTYPE to its runner (once its linears are planned); returns the
+    dtype's name. auto: float16 where the linears multiply int8 rows (the model's numerics are
+    llama.cpp's already) and the compiled kernels attend, else float32. A target with float16
+    caches also runs uncached sequences through them (not left-padded in transformers' forward,
+    whose attention would read unrounded keys), so every law it sends is computed one way."""
+    import torch
+
+    half = setting == "float16" or (
+        setting == "auto" and runner.fuses_layers() and int8_linears(runner.model, required=False) > 0
+    )
+    runner.store_caches_as(torch.float16 if half else None)  # None: as the model computes them
+    if half and role == "target":
+        runner.pads_uncached = False
+    log.info("%s KV caches in %s (KV_CACHE_DTYPE %s)", role, "float16" if half else "float32", setting)
+    return "float16" if half else "float32"
 
 
 def int8_matmuls_wanted(setting: str, runner) -> bool:

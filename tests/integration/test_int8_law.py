@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+import torch
 from law import assert_draft_follows_law, assert_greedy_speculation_equals_k0
 from service_stack import start_stack, stop_stack
 from tiny_models import build_tiny_model
@@ -48,12 +49,18 @@ def int8_stub(int8_loaded, redis_url):
     stop_stack(stack)
 
 
-def test_the_target_reports_and_runs_int8_products(int8_loaded):
+def test_the_target_reports_and_runs_int8_products_and_float16_caches(int8_loaded):
     from specdec.models.cpu_layout import PlannedLinear
 
+    from specdec.models.kv_cache import cache_dtype
+
+    runner = int8_loaded["target"].runner
     assert int8_loaded["target"].info.matmul_dtype == "int8"
-    linears = [m for m in int8_loaded["target"].runner.model.modules() if isinstance(m, PlannedLinear)]
+    linears = [m for m in runner.model.modules() if isinstance(m, PlannedLinear)]
     assert linears and all(m.int8 for m in linears)
+    # KV_CACHE_DTYPE=auto: float16 caches with int8 products, so the law tests here cover them, and
+    # uncached sequences run through those caches too (every law the target sends computed one way).
+    assert cache_dtype(runner.model) == torch.float16 and not runner.pads_uncached
 
 
 def test_pipeline_samples_follow_the_int8_target_law(int8_stub, int8_loaded, record_property):

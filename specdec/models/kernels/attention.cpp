@@ -16,6 +16,12 @@
 // their sum and the weighted sum of values, each accumulated in position order. So a row's result
 // does not depend on the rows, segments or threads beside it: a decode batched with others gives
 // the bits it gives alone, and a Verify row the bits of its own one-row decode.
+//
+// A cache holds float32 or float16 keys/values (`kv_half`; the services' KV_CACHE_DTYPE): float16 halves
+// what a step reads, and attention over the cache is bound by that (8 decodes of 400 cached tokens:
+// a third of the step). New rows are rounded to float16 (to nearest even) as they are appended, and
+// every row, the new ones included, reads them back from the cache, so the arithmetic is the same
+// in a prompt, a Verify and a decode.
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -28,6 +34,7 @@
 #define MAX_ACC 16  // their accumulators, in vectors: within the register file
 #define AHEAD 32    // positions ahead whose keys / values are prefetched
 #define ROW_BLOCK 16  // a segment's rows per task
+#define LINE 64       // bytes of a cache line (prefetches)
 
 // W vectors -> one vector of their lane sums, lane i the sum of vector BITREV[i] (so feed position
 // BITREV[i] in slot i for sums in position order). Each vector's lanes go through the same tree
@@ -87,6 +94,25 @@ template <class V> static inline V load(const float* from) {
     return v;
 }
 
+// A cached key/value: float32 as stored, or float16 (its bits, `half`) widened exactly.
+typedef unsigned short half;
+template <class V> static inline V load(const half* from);
+template <> inline v8 load<v8>(const half* from) {
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)from));
+}
+#if defined(__AVX512F__)
+template <> inline v16 load<v16>(const half* from) {
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)from));
+}
+#endif
+
+// dim (a multiple of 8) floats into a cache of float32 (copied) or float16 (rounded to nearest even).
+static inline void store(float* to, const float* from, long dim) { memcpy(to, from, dim * sizeof(float)); }
+static inline void store(half* to, const float* from, long dim) {
+    for (long i = 0; i < dim; i += 8)
+        _mm_storeu_si128((__m128i*)(to + i), _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 struct Segment {  // as ragged.py lays out its int64 table, one row per segment (SEGMENT_COLUMNS longs)
     long start;   // its first row in the batch
     long rows;    // its new rows (positions past .. past + rows - 1)
@@ -100,13 +126,14 @@ struct Segment {  // as ragged.py lays out its int64 table, one row per segment 
     long prefix_len;
 };
 
-// Where a head's keys (or values) of each position lie: a shared prefix's buffer, then its own.
-struct Span {
-    const float* prefix;
+// Where a head's keys (or values) of each position lie: a shared prefix's buffer, then its own;
+// S: what the cache stores (float or half).
+template <class S> struct Span {
+    const S* prefix;
     long prefix_len;
-    const float* own;
+    const S* own;
     long dim;
-    const float* at(long j) const { return j < prefix_len ? prefix + j * dim : own + (j - prefix_len) * dim; }
+    const S* at(long j) const { return j < prefix_len ? prefix + j * dim : own + (j - prefix_len) * dim; }
 };
 
 struct Row {         // one query row of one head
@@ -144,8 +171,8 @@ static void softmax_weights(const Row* rows, long last, float* scores, long stri
 
 // ROWS rows against one key/value head: their scores over positions 0 .. last - 1 (last: the most
 // any of them sees) into scores[r * stride + j], then weights, then their outputs.
-template <class V, int VECS, int ROWS>
-static void attend_rows(const Row* rows, const Span& keys, const Span& values, float scale, float* scores,
+template <class V, int VECS, int ROWS, class S>
+static void attend_rows(const Row* rows, const Span<S>& keys, const Span<S>& values, float scale, float* scores,
                         long stride) {
     const int W = Lanes<V>::width;
     const long dim = VECS * W;
@@ -158,9 +185,9 @@ static void attend_rows(const Row* rows, const Span& keys, const Span& values, f
         V dots[ROWS][W];
         for (int slot = 0; slot < W; slot++) {
             const long j = j0 + Lanes<V>::bitrev()[slot];
-            const float* key = keys.at(j < last ? j : last - 1);  // past the end: a copy, unused
-            const float* ahead = keys.at(j0 + AHEAD + slot);
-            for (long b = 0; b < dim; b += 16) __builtin_prefetch(ahead + b, 0, 3);
+            const S* key = keys.at(j < last ? j : last - 1);  // past the end: a copy, unused
+            const S* ahead = keys.at(j0 + AHEAD + slot);
+            for (long b = 0; b < dim; b += LINE / sizeof(S)) __builtin_prefetch(ahead + b, 0, 3);
             V k[VECS];
             for (int l = 0; l < VECS; l++) k[l] = load<V>(key + l * W);
             for (int r = 0; r < ROWS; r++) {
@@ -181,8 +208,8 @@ static void attend_rows(const Row* rows, const Span& keys, const Span& values, f
     V acc[ROWS][VECS] = {};
     for (long j = 0; j < last; j++) {
         V value[VECS];
-        const float *at = values.at(j), *ahead = values.at(j + AHEAD);
-        for (long b = 0; b < dim; b += 16) __builtin_prefetch(ahead + b, 0, 3);
+        const S *at = values.at(j), *ahead = values.at(j + AHEAD);
+        for (long b = 0; b < dim; b += LINE / sizeof(S)) __builtin_prefetch(ahead + b, 0, 3);
         for (int l = 0; l < VECS; l++) value[l] = load<V>(at + l * W);
         for (int r = 0; r < ROWS; r++) {
             const float w = scores[r * stride + j];
@@ -198,15 +225,14 @@ static void attend_rows(const Row* rows, const Span& keys, const Span& values, f
 
 // The query rows of one key/value head for the segment's rows first .. first + count - 1 (its
 // `group` query heads x those rows), a few a pass, so that each key and value is read once for them.
-template <class V, int VECS>
+template <class V, int VECS, class S>
 static void attend_head(const Segment& seg, long kv_head, long first_row, long row_count, long group, const float* q,
                         long q_token, long q_head, float* out, long out_token, float scale, float* scores,
                         long stride) {
     const long dim = VECS * Lanes<V>::width;
     const long own = kv_head * seg.capacity * dim, prefix = kv_head * seg.prefix_capacity * dim;
-    const Span keys = {(const float*)seg.prefix_keys + prefix, seg.prefix_len, (const float*)seg.keys + own, dim};
-    const Span values = {(const float*)seg.prefix_values + prefix, seg.prefix_len, (const float*)seg.values + own,
-                         dim};
+    const Span<S> keys = {(const S*)seg.prefix_keys + prefix, seg.prefix_len, (const S*)seg.keys + own, dim};
+    const Span<S> values = {(const S*)seg.prefix_values + prefix, seg.prefix_len, (const S*)seg.values + own, dim};
     constexpr int chunk = MAX_ACC / VECS < 1 ? 1 : (MAX_ACC / VECS > MAX_ROWS ? MAX_ROWS : MAX_ACC / VECS);
     const long count = (first_row + row_count) * group;
     for (long first = first_row * group; first < count; first += chunk) {
@@ -218,10 +244,10 @@ static void attend_head(const Segment& seg, long kv_head, long first_row, long r
                        seg.past + i + 1};
         }
         switch (n) {
-            case 1: attend_rows<V, VECS, 1>(rows, keys, values, scale, scores, stride); break;
-            case 2: attend_rows<V, VECS, 2>(rows, keys, values, scale, scores, stride); break;
-            case 3: attend_rows<V, VECS, 3>(rows, keys, values, scale, scores, stride); break;
-            default: attend_rows<V, VECS, 4>(rows, keys, values, scale, scores, stride); break;
+            case 1: attend_rows<V, VECS, 1, S>(rows, keys, values, scale, scores, stride); break;
+            case 2: attend_rows<V, VECS, 2, S>(rows, keys, values, scale, scores, stride); break;
+            case 3: attend_rows<V, VECS, 3, S>(rows, keys, values, scale, scores, stride); break;
+            default: attend_rows<V, VECS, 4, S>(rows, keys, values, scale, scores, stride); break;
         }
     }
 }
@@ -229,59 +255,64 @@ static void attend_head(const Segment& seg, long kv_head, long first_row, long r
 typedef void (*HeadFn)(const Segment&, long, long, long, long, const float*, long, long, float*, long, float, float*,
                        long);
 
-template <class V> static HeadFn head_fn(long vecs) {
+template <class V, class S> static HeadFn head_fn(long vecs) {
     switch (vecs) {
-        case 1: return attend_head<V, 1>;
-        case 2: return attend_head<V, 2>;
-        case 3: return attend_head<V, 3>;
-        case 4: return attend_head<V, 4>;
-        case 5: return attend_head<V, 5>;
-        case 6: return attend_head<V, 6>;
-        case 8: return attend_head<V, 8>;
-        case 10: return attend_head<V, 10>;
-        case 12: return attend_head<V, 12>;
-        case 16: return attend_head<V, 16>;
+        case 1: return attend_head<V, 1, S>;
+        case 2: return attend_head<V, 2, S>;
+        case 3: return attend_head<V, 3, S>;
+        case 4: return attend_head<V, 4, S>;
+        case 5: return attend_head<V, 5, S>;
+        case 6: return attend_head<V, 6, S>;
+        case 8: return attend_head<V, 8, S>;
+        case 10: return attend_head<V, 10, S>;
+        case 12: return attend_head<V, 12, S>;
+        case 16: return attend_head<V, 16, S>;
         default: return nullptr;
     }
 }
 
 // The attention of one head of `dim` floats: in the widest vectors that divide it.
-static HeadFn head_for(long dim) {
+template <class S> static HeadFn head_for(long dim) {
 #if defined(__AVX512F__)
-    if (dim % 16 == 0) return head_fn<v16>(dim / 16);
+    if (dim % 16 == 0) return head_fn<v16, S>(dim / 16);
 #endif
-    return dim % 8 == 0 ? head_fn<v8>(dim / 8) : nullptr;
+    return dim % 8 == 0 ? head_fn<v8, S>(dim / 8) : nullptr;
 }
 
+template <class S>
 static void append(const Segment& seg, const float* k, long k_token, long k_head, const float* v, long v_token,
                    long v_head, long kv_heads, long dim) {
-    float* keys = (float*)seg.keys;
-    float* values = (float*)seg.values;
+    S* keys = (S*)seg.keys;
+    S* values = (S*)seg.values;
     for (long h = 0; h < kv_heads; h++)
         for (long r = 0; r < seg.rows; r++) {
             const long at = (h * seg.capacity + seg.past - seg.prefix_len + r) * dim;
-            memcpy(keys + at, k + (seg.start + r) * k_token + h * k_head, dim * sizeof(float));
-            memcpy(values + at, v + (seg.start + r) * v_token + h * v_head, dim * sizeof(float));
+            store(keys + at, k + (seg.start + r) * k_token + h * k_head, dim);
+            store(values + at, v + (seg.start + r) * v_token + h * v_head, dim);
         }
 }
 
 // Whether ragged_attention takes heads of this size.
-extern "C" int ragged_attention_supports(long dim) { return head_for(dim) != nullptr; }
+extern "C" int ragged_attention_supports(long dim) { return head_for<float>(dim) != nullptr; }
 
 // q: this step's query rows, row t head h at q + t * q_token + h * q_head (head_dim floats, stride
 // 1); k, v: its new key/value rows likewise, kv_heads of them; segments: `count` Segments, whose
-// own buffers have room for past - prefix_len + rows positions. Appends each segment's new
-// keys/values to its own buffers, then writes out [rows][heads][dim] (contiguous) for every
-// segment's rows; rows of the batch outside the segments are left as they are.
+// own buffers have room for past - prefix_len + rows positions, and whose buffers (a prefix's too)
+// hold float16 where `kv_half` is set, float32 otherwise. Appends each segment's new keys/values to its
+// own buffers, then writes out [rows][heads][dim] (contiguous) for every segment's rows; rows of the
+// batch outside the segments are left as they are.
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
-                                 long kv_heads, long dim, float scale, float* out) {
-    const HeadFn attend = head_for(dim);
+                                 long kv_heads, long dim, float scale, float* out, long kv_half) {
+    const HeadFn attend = kv_half ? head_for<half>(dim) : head_for<float>(dim);
     if (attend == nullptr) return;  // ragged.py asks ragged_attention_supports first
     const Segment* segments = (const Segment*)table;
     long longest = 0;
     for (long s = 0; s < count; s++) {
-        append(segments[s], k, k_token, k_head, v, v_token, v_head, kv_heads, dim);
+        if (kv_half)
+            append<half>(segments[s], k, k_token, k_head, v, v_token, v_head, kv_heads, dim);
+        else
+            append<float>(segments[s], k, k_token, k_head, v, v_token, v_head, kv_heads, dim);
         if (segments[s].past + segments[s].rows > longest) longest = segments[s].past + segments[s].rows;
     }
     const long stride = (longest + WIDEST - 1) / WIDEST * WIDEST + WIDEST;

@@ -37,7 +37,7 @@ extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned ch
 #define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
-                                 long kv_heads, long dim, float scale, float* out);
+                                 long kv_heads, long dim, float scale, float* out, long kv_half);
 
 // One linear layer as fused.py describes it (6 int64): its panels' form (0 float32, 1 4-bit,
 // 2 8-bit blocks; 3 / 4 the same laid out for int8 rows, int8.cpp, 5 / 6 those with float16
@@ -150,11 +150,12 @@ static void add(float* into, const float* from, long count) {
 // count_layers Layers; cos, sin: [rows, dim]; tables: [count_layers][segments][SEGMENT_COLUMNS], each layer's
 // ragged_attention table (its cache buffers reserved for the new rows); tiles: the products on AMX
 // tiles (a call of prompts only, whose rows then take amx.cpp's float32 sums: never set for a call
-// with decode or Verify rows, which keep panels.cpp's bits). Returns 0, or -1 when a scratch buffer
-// (or an int8 product's) could not be allocated (h is then unchanged or partly updated: discard it).
+// with decode or Verify rows, which keep panels.cpp's bits); kv_half: the caches hold float16
+// (attention.cpp). Returns 0, or -1 when a scratch buffer (or an int8 product's) could not be
+// allocated (h is then unchanged or partly updated: discard it).
 extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, const long* layers, long count_layers,
                               float eps, const float* cos, const float* sin, const long* tables, long segments,
-                              long heads, long kv_heads, long dim, float scale, long tiles) {
+                              long heads, long kv_heads, long dim, float scale, long tiles, long kv_half) {
     const long q_width = heads * dim, kv_width = kv_heads * dim;
     long widest = inter > q_width ? inter : q_width;  // gate and up also hold [rows, hidden] products
     widest = widest > hidden ? widest : hidden;
@@ -172,7 +173,7 @@ extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, cons
         rotate(q, rows, heads, dim, cos, sin);
         rotate(k, rows, kv_heads, dim, cos, sin);
         ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * SEGMENT_COLUMNS,
-                         segments, heads, kv_heads, dim, scale, attended);
+                         segments, heads, kv_heads, dim, scale, attended, kv_half);
         failed |= product(w.o, attended, rows, q_width, gate, tiles);  // (gate as scratch: [rows, hidden] fits)
         add(h, gate, rows * hidden);
         rms_norm(h, rows, hidden, (const float*)w.post_norm, eps, normed);

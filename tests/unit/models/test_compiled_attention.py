@@ -29,11 +29,13 @@ class Heads:
         return keys, values
 
 
-def _attend(lib, query, key, value, segments, heads: int, kv_heads: int, dim: int, prefixes=None) -> torch.Tensor:
+def _attend(
+    lib, query, key, value, segments, heads: int, kv_heads: int, dim: int, prefixes=None, half: bool = False
+) -> torch.Tensor:
     """The kernel over one layer: query [1, Hq, T, D], key/value [1, Hkv, T, D]; segments: (start,
     rows, past, key buffer, value buffer) each; prefixes: per segment None or the (keys, values)
-    [1, Hkv, P, D] of a shared prefix it reads first (past counts them; its buffers hold the rest).
-    Returns [1, T, Hq, D]."""
+    [1, Hkv, P, D] of a shared prefix it reads first (past counts them; its buffers hold the rest);
+    half: the buffers (a prefix's too) are float16. Returns [1, T, Hq, D]."""
 
     def prefix_columns(prefix):
         if prefix is None:
@@ -54,7 +56,7 @@ def _attend(lib, query, key, value, segments, heads: int, kv_heads: int, dim: in
     lib.ragged_attention(
         query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), key.stride(2), key.stride(1),
         value.data_ptr(), value.stride(2), value.stride(1), table.data_ptr(), len(segments), heads, kv_heads,
-        dim, dim**-0.5, out.data_ptr(),
+        dim, dim**-0.5, out.data_ptr(), int(half),
     )
     return out
 
@@ -177,6 +179,42 @@ def test_a_segment_after_a_shared_prefix_reads_it_as_one_buffer(libs):
             assert torch.equal(own_v[:, :, past - share : past - share + n], value[:, :, start : start + n])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 8), (2, 1, 80)])
+def test_float16_caches_attend_as_float32_ones_holding_the_rounded_keys_and_values(libs, heads, kv_heads, dim):
+    """A float16 cache (KV_CACHE_DTYPE): new rows appended rounded to nearest even (torch's
+    `.half()`), and every row, new ones included, attends exactly as over float32 buffers holding
+    those rounded values (a conversion that widens exactly, then the same arithmetic), a shared
+    prefix's positions too. So a float16 model's Verify rows still get their decodes' bits."""
+    h = Heads(heads, kv_heads, dim, seed=3)
+    query, key, value, segments = _step(h, [(400, 1), (0, 1), (37, 5), (0, COMPILED_MAX_ROWS), (30, 3)])
+    key, value = key * 40, value * 40  # magnitudes where float16 rounding moves the last bits a lot
+    rounded_key, rounded_value = key.half().float(), value.half().float()
+    share = 20  # the last segment reads its first 20 positions from a shared prefix
+    *plain, (start, n, past, kb, vb) = segments
+    own_k, own_v = torch.zeros_like(kb), torch.zeros_like(vb)
+    own_k[:, :, : past - share], own_v[:, :, : past - share] = kb[:, :, share:past], vb[:, :, share:past]
+    segments = [*plain, (start, n, past, own_k, own_v)]
+    prefix = (kb[:, :, :share].contiguous(), vb[:, :, :share].contiguous())
+    prefixes = [None] * len(plain) + [prefix]
+    for lib in libs:
+        halves = [(s, n, p, kb.half(), vb.half()) for s, n, p, kb, vb in segments]
+        got = _attend(lib, query, key, value, halves, heads, kv_heads, dim, prefixes=[
+            None if pre is None else tuple(t.half() for t in pre) for pre in prefixes
+        ], half=True)
+        singles = [(s, n, p, kb.half().float(), vb.half().float()) for s, n, p, kb, vb in segments]
+        want = _attend(lib, query, rounded_key, rounded_value, singles, heads, kv_heads, dim, prefixes=[
+            None if pre is None else tuple(t.half().float() for t in pre) for pre in prefixes
+        ])
+        assert torch.equal(got, want)
+        assert not torch.equal(want, _attend(lib, query, key, value, [
+            (s, n, p, kb.clone(), vb.clone()) for s, n, p, kb, vb in segments
+        ], heads, kv_heads, dim, prefixes=prefixes))  # the rounding is seen: the test can fail
+        for (start, n, past, kb, vb), (_, _, _, halved_k, halved_v), pre in zip(segments, halves, prefixes):
+            at = past - (share if pre is not None else 0)
+            assert torch.equal(halved_k[:, :, at : at + n], key[:, :, start : start + n].half())
+            assert torch.equal(halved_v[:, :, at : at + n], value[:, :, start : start + n].half())
+
+
 def test_a_cache_layer_reserves_then_extends_as_update_would():
     from transformers import LlamaConfig
 
@@ -250,7 +288,7 @@ def test_segments_past_the_row_limit_keep_sdpa_and_after_a_shared_prefix_take_th
     assert isinstance(forked.layers[0].prefix_root, SharedRoot)
     lengths = [COMPILED_MAX_ROWS + 1, COMPILED_MAX_ROWS, 2]
     batch = build_batch([new_cache(config), new_cache(config), forked], lengths, torch.device("cpu"))
-    assert _compile_segments(batch, config).compiled.indices == frozenset({1, 2})
+    assert _compile_segments(batch, config, torch.float32).compiled.indices == frozenset({1, 2})
 
 
 def test_without_the_compiled_library_steps_attend_in_sdpa_with_the_same_laws(tiny_loaded, monkeypatch):

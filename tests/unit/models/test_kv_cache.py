@@ -121,3 +121,30 @@ def test_rows_written_into_the_reserved_buffers_read_as_dynamic_layers_after_ext
     reserved.extend(2)
     reserved.reset()  # with rows counted but never read
     assert reserved.get_seq_length() == 0
+
+
+def test_a_float16_cache_rounds_what_any_path_writes_and_its_forks_and_copies_stay_float16():
+    """A float16 cache (KV_CACHE_DTYPE): `update` (transformers' and SDPA's path), the kernel's
+    `reserve` and a fork's or copy's appends all store float16, rounded as torch rounds, so a row
+    computed outside the compiled kernel reads the same rounded keys/values as one inside it."""
+    from transformers import LlamaConfig
+
+    from specdec.models.kv_cache import copy_cache, fork_cache, storage_dtype
+
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2)
+    cache = new_cache(config, torch.float16)
+    keys, values = _rows(40, 7)
+    keys, values = keys * 30, values * 30
+    for index in range(2):
+        got_k, got_v = cache.update(keys, values, index)
+        assert got_k.dtype == torch.float16 and torch.equal(got_k, keys.half()) and torch.equal(got_v, values.half())
+    layer = cache.layers[0]
+    layer.reserve(3, torch.empty(1, 2, 0, 4, dtype=torch.float16))  # the kernel's reservation keeps them
+    assert layer._key_buffer.dtype == torch.float16 and torch.equal(layer.keys, keys.half())
+    fork, copied = fork_cache(cache, 30, config), copy_cache(cache, 35, config)
+    assert storage_dtype(fork) == storage_dtype(copied) == torch.float16
+    more_k, more_v = _rows(2, 8)
+    fork.layers[0].append(more_k, more_v)  # after a prefix it holds none of: a buffer of its own
+    assert fork.layers[0].keys.dtype == torch.float16 and torch.equal(fork.layers[0].keys, more_k.half())
+    assert torch.equal(copied.layers[1].keys, keys[:, :, :35].half())
+    assert storage_dtype(new_cache(config)) is None  # by default: what the model computes

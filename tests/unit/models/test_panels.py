@@ -108,9 +108,10 @@ def test_every_level_this_cpu_runs_computes_the_product(tmp_path):
 
 
 def test_the_level_follows_the_cpu_flags():
-    v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"}
+    v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2", "f16c"}
     assert panels.cpu_level(v4) == "x86-64-v4"
-    assert panels.cpu_level({"avx2", "fma", "bmi2", "avx512f"}) == "x86-64-v3"
+    assert panels.cpu_level({"avx2", "fma", "bmi2", "f16c", "avx512f"}) == "x86-64-v3"
+    assert panels.cpu_level({"avx2", "fma", "bmi2"}) is None  # float16 caches need F16C
     assert panels.cpu_level({"sse4_2", "avx"}) is None
 
 

@@ -199,3 +199,53 @@ def test_close_frees_the_cache_and_ends_the_model_thread(tiny_loaded):
     stranded.share_model_thread(owner)  # the owner's thread has ended: clear status, no hang
     with pytest.raises(Unavailable, match="ended"):
         stranded.on_model_thread(stranded.last_logits, "s", [1, 2, 3], 1)
+
+
+@pytest.fixture
+def float16_runner(tiny_loaded):
+    """The tiny target (the compiled kernels attend it) with float16 caches; the model restored after."""
+    from specdec.models.kv_cache import set_cache_dtype
+
+    model = tiny_loaded["target"].runner.model
+    runner = ModelRunner(model, SessionKVCache(max_entries=8, max_tokens=10_000))
+    runner.on_model_thread(runner.store_caches_as, torch.float16)
+    yield runner
+    runner.close()
+    set_cache_dtype(model, None)
+
+
+def test_float16_caches_keep_verify_rows_and_batched_items_at_their_decodes_bits(float16_runner, tiny_loaded):
+    """What losslessness needs of a float16 cache: a Verify's rows are the bits of one-token decodes
+    of the same positions, alone or batched with another session, and the laws stay near the
+    float32 cache's (the rounding is seen, and small)."""
+    runner = float16_runner
+    prompt = [(5 * i + 2) % runner.vocab_size for i in range(30)]  # past the compiled rows: a prompt
+    drafts = [3, 1, 4, 1]
+    run = lambda fn, *a: runner.on_model_thread(fn, *a)  # noqa: E731
+    run(runner.last_logits, "verify", prompt, 1)
+    verify = run(runner.last_logits, "verify", prompt + drafts, len(drafts) + 1).logits
+    run(runner.last_logits, "decode", prompt, 1)
+    for i in range(len(drafts) + 1):
+        decode = run(runner.last_logits, "decode", prompt + drafts[:i], 1).logits
+        assert torch.equal(decode[0], verify[i])
+    run(runner.last_logits, "other", prompt[::-1], 1)
+    batched = run(runner.step, [StepItem("decode", prompt + drafts, 5), StepItem("other", prompt[::-1] + [2], 2)])
+    assert torch.equal(batched[0].logits, verify)
+    assert all(layer.keys.dtype == torch.float16 for layer in runner.cache.peek("decode").kv.layers)
+    exact = tiny_loaded["target"].runner  # the served runner: float32 caches
+    wide = exact.on_model_thread(exact.last_logits, "float32-twin", prompt + drafts, len(drafts) + 1).logits
+    assert not torch.equal(wide, verify)
+    torch.testing.assert_close(verify, wide, rtol=0, atol=2e-2 * float(wide.abs().max()))
+    exact.on_model_thread(exact.cache.drop, "float32-twin")
+
+
+def test_float16_caches_need_the_compiled_kernel(tiny_loaded, monkeypatch):
+    from specdec.models import ragged
+
+    monkeypatch.setattr(ragged.panels, "kernel_library", lambda: None)
+    plain = ModelRunner(tiny_loaded["target"].runner.model, SessionKVCache(8, 10_000))
+    try:
+        with pytest.raises(ValueError, match="compiled attention kernel"):
+            plain.store_caches_as(torch.float16)
+    finally:
+        plain.close()
