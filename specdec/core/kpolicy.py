@@ -3,14 +3,17 @@
 `AdaptiveK` maximises expected tokens per second from the request's own history:
 
     E[tokens | K] = 1 + sum_{i=1..K} prod_{j<=i} a_j          (Leviathan et al.)
-    time(K)       = K * c_draft + p verify(K + 1) + (1 - p) verify(1) + overhead
+    time(K)       = c_ask + d(K) c_token + sum_{i=0..K} P(rows = i + 1 | K) verify(i + 1) + overhead
+    d(K)          = sum_{i=1..K} P_i,  P(rows = i + 1 | K) = P_i - P_{i+1} (i < K), P_K (i = K)
 
 a_i is the acceptance of draft position i given 1..i-1 were accepted (accepted / offered at i,
 under a weak prior that leans on position i - 1; a position a draft stopped short of counts as
-rejected), c_draft the measured draft cost per drafted token (empty proposals' calls included),
-p the share of asks the drafter answered with a proposal (a model-free drafter without a confident
-match proposes nothing, and its round verifies one row), verify(r) the measured cost of a Verify of
-r rows. A length not measured yet is estimated from the nearest measured one, scaled by the
+rejected), P_i the chance that a draft asked for at least i tokens proposes at least i (P_0 = 1;
+a model draft proposes what it is asked for, a model-free one only as far as its match is
+confident, often nothing), so d(K) is the expected tokens drafted and a round verifies 1 + its
+draft's length; c_ask a Propose's cost whatever it drafts (measured on the asks that drafted
+nothing: a model-free drafter's call costs that much for any length) and c_token what each drafted
+token adds (a model draft's forward), verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated from the nearest measured one, scaled by the
 target's forward-cost curve (what the target service measured at start, `ModelInfo.forward_cost_ms`,
 extended past its rows by its upper half's slope); without a curve, the 1-row cost times a default
 factor, never below a measured shorter length.
@@ -144,10 +147,13 @@ class AdaptiveK:
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
-        self.asked = 0  # sequences asked for a draft (K > 0)
-        self.proposed = 0  # of which the drafter proposed at least one token
-        self.draft_s = 0.0
-        self.draft_steps = 0
+        self.asked_at = [0] * (k_max + 1)  # [i]: sequences asked for a draft of at least i tokens
+        self.reached = [0] * (k_max + 1)  # [i]: of which the drafter proposed at least i
+        self.draft_s = 0.0  # seconds of the Proposes that drafted tokens (rounds after the first)
+        self.draft_steps = 0  # their tokens (the longest draft of each round)
+        self.draft_calls = 0  # and their number
+        self.empty_s = 0.0  # seconds of the Proposes that drafted nothing
+        self.empty_calls = 0
         self.verify_sum: dict[int, float] = {}  # rows -> summed seconds
         self.verify_count: dict[int, int] = {}
         self.rounds = 0
@@ -167,14 +173,25 @@ class AdaptiveK:
             rates.append(prior)
         return rates
 
-    def verify_cost(self, rows: int) -> float:
+    def reach(self) -> list[float]:
+        """[P_0..P_kmax]: the chance a draft asked for at least i tokens proposes at least i, under
+        the same weak prior, leaning on P_{i-1} (P_0 = 1: before any ask, drafts are as long as asked)."""
+        rates, prior = [1.0], 1.0
+        for i in range(1, self.k_max + 1):
+            prior = min(prior, (self.reached[i] + self.prior_weight * prior) / (self.asked_at[i] + self.prior_weight))
+            rates.append(prior)
+        return rates
+
+    def verify_cost(self, rows: int, measured: dict[int, float] | None = None) -> float:
         """Seconds of a Verify of `rows` rows per sequence: alone, measured, else estimated from
-        measured ones; in company, at a shared step of the others' rows + ours."""
+        measured ones; in company, at a shared step of the others' rows + ours. measured: the mean
+        seconds by rows, where the caller has them (`_measured`)."""
         if self.steps.n and (self._in_company() or not self.verify_count):
             _, mean_rows, mean_s = self.steps.means()
             prior = self._prior_slope(mean_rows, mean_s)
             return self.steps.predict(round(self.others) + self.own, round(self.others_rows) + self.own * rows, prior)
-        measured = {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
+        if measured is None:
+            measured = self._measured()
         if rows in measured:
             return measured[rows]
         if measured and self.verify_curve:
@@ -187,6 +204,9 @@ class AdaptiveK:
             return one
         shorter = [cost for r, cost in measured.items() if r < rows]
         return max([one * self.default_verify_factor, *shorter])
+
+    def _measured(self) -> dict[int, float]:
+        return {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
 
     def _in_company(self) -> bool:
         return self.others_rows >= 0.5  # the target reports step rows, and others share them
@@ -206,13 +226,16 @@ class AdaptiveK:
         slope = max(0.0, (curve[-1] - curve[half - 1]) / (n - half))
         return curve[-1] + slope * (rows - n)
 
-    def draft_cost(self) -> float:
-        """Seconds per drafted token: measured, else a default fraction of a 1-row Verify (in
-        company, of this request's share of the step: the whole step is not what one draft costs)."""
+    def draft_cost(self) -> tuple[float, float]:
+        """(seconds of a Propose whatever it drafts, seconds per drafted token on top): the first
+        from the Proposes that drafted nothing (0 before any), the second from the others, else a
+        default fraction of a 1-row Verify (in company, of this request's share of the step: the
+        whole step is not what one draft costs)."""
+        per_ask = self.empty_s / self.empty_calls if self.empty_calls else 0.0
         if self.draft_steps:
-            return self.draft_s / self.draft_steps
+            return per_ask, max(0.0, self.draft_s - per_ask * self.draft_calls) / self.draft_steps
         share = 1 + self.others if self._in_company() else 1
-        return self.default_draft_ratio * self.verify_cost(1) / share
+        return per_ask, self.default_draft_ratio * self.verify_cost(1) / share
 
     def tokens_per_second(self) -> list[float]:
         """[K = 0..k_max]: expected tokens per second under the current estimates: this request's
@@ -220,7 +243,7 @@ class AdaptiveK:
         it (their tokens over the Verify alone: they do not wait for this request's draft, but its
         rows lengthen their step). Alone, that is this request's own speed; in a batch, drafting
         pays only if its gain beats what its extra rows cost the whole step."""
-        rates, draft = self.acceptance(), self.draft_cost()
+        rates, (per_ask, per_token) = self.acceptance(), self.draft_cost()
         expected, run = [1.0], 1.0  # [K]: expected tokens of a sequence drafting K
         for rate in rates:
             run *= rate
@@ -231,17 +254,19 @@ class AdaptiveK:
             low = int(mean_k)
             high = min(low + 1, self.k_max)
             others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
-        # A drafter that proposes nothing (no confident match) leaves a 1-row Verify: the K + 1 rows
-        # are paid only when it proposes (a model-free drafter's length is its own, not K's).
-        # Under the same weak prior as acceptance, leaning on "it proposes" (a model draft always does).
-        proposes = (self.proposed + self.prior_weight) / (self.asked + self.prior_weight)
-        one_row = self.verify_cost(1)
-        out = []
+        # A round verifies 1 + its draft's length rows, and a model-free drafter's length is its own
+        # (up to K): K + 1 rows are paid only as often as its drafts reach K.
+        measured = self._measured()
+        reach, costs = self.reach(), [self.verify_cost(rows, measured) for rows in range(1, self.k_max + 2)]
+        out, shorter, drafted = [], 0.0, 0.0  # shorter: the cost of rounds whose draft stopped before K
         for k in range(self.k_max + 1):
-            rows_cost = self.verify_cost(k + 1) if k else one_row
-            verify = proposes * rows_cost + (1 - proposes) * one_row + self.overhead_s
-            own = self.own * expected[k] / (k * draft + verify)
+            verify = shorter + reach[k] * costs[k] + self.overhead_s
+            draft = per_ask + drafted * per_token if k else 0.0
+            own = self.own * expected[k] / (draft + verify)
             out.append(own + others / verify)  # the others do not wait for our draft
+            if k < self.k_max:
+                shorter += (reach[k] - reach[k + 1]) * costs[k]
+                drafted += reach[k + 1]
         return out
 
     # ------------------------------------------------------------ the policy
@@ -282,14 +307,18 @@ class AdaptiveK:
             # acceptance, and every round pays its Propose for nothing.
             if accepted == drafted < asked:
                 self.offered[drafted + 1] += 1
-            if asked:
-                self.asked += 1
-                self.proposed += drafted > 0
+            for i in range(1, asked + 1):
+                self.asked_at[i] += 1
+                self.reached[i] += drafted >= i
         if self.rounds > 0:  # round 0's timings include the prefill
             steps = max((drafted for drafted, _ in outcome.drafts), default=0)
-            # An empty proposal's call is a cost of drafting too: spread over the tokens drafted.
-            self.draft_s += outcome.draft_s
-            self.draft_steps += steps
+            if steps:
+                self.draft_s += outcome.draft_s
+                self.draft_steps += steps
+                self.draft_calls += 1
+            elif asked:  # an empty proposal's call: what asking costs, whatever comes back
+                self.empty_s += outcome.draft_s
+                self.empty_calls += 1
             if not outcome.others or not outcome.step_rows:  # the Verify's own cost at its length
                 self.verify_sum[outcome.rows] = self.verify_sum.get(outcome.rows, 0.0) + outcome.verify_s
                 self.verify_count[outcome.rows] = self.verify_count.get(outcome.rows, 0) + 1

@@ -128,6 +128,41 @@ def test_rounds_without_a_proposal_cost_a_one_row_verify_not_k_plus_one_rows():
     assert sum(k > 0 for k in chosen[-20:]) >= 15
 
 
+def test_drafts_shorter_than_k_are_priced_at_their_length():
+    """A model-free drafter proposes as far as its match is confident: here 8 tokens in 3 asks of
+    10 and 2 in the others, all accepted, each row 30% of a 1-row Verify. Priced at K + 1 rows
+    whenever it proposes, K = 8 (4.8 tokens for 9 rows) loses to K = 2 (3 tokens, 3 rows); priced at
+    the rows its drafts really have (expected 1 + 0.3 * 8 + 0.7 * 2), K = 8 wins: 2.24 against 1.88
+    tokens per unit of time."""
+    curve = tuple(1 + 0.3 * rows for rows in range(9))  # the target's forward costs, as it reports them
+    policy = AdaptiveK(8, prior_weight=0.5, verify_curve=curve)
+    chosen = []
+    for n in range(120):
+        k = policy.choose()
+        chosen.append(k)
+        drafted = min(k, 8 if n % 10 < 3 else 2)
+        verify = 0.010 * (1 + 0.3 * drafted)
+        policy.observe(RoundOutcome(k, 0.0, verify, 1 + drafted, [(drafted, drafted)]))
+    assert policy.reach()[3] == pytest.approx(0.3, abs=0.05)
+    assert sum(k >= 6 for k in chosen[-40:]) >= 38
+
+
+def test_a_propose_costs_what_empty_ones_cost_and_drafted_tokens_add_to_it():
+    """A model-free drafter's call costs about the same whatever it returns (measured on the asks
+    that returned nothing), a model draft's grows with the tokens it drafts."""
+    lookup = AdaptiveK(4)
+    lookup.observe(RoundOutcome(2, 0.9, 1.0, 3, [(2, 2)]))  # round 0: not kept
+    for n in range(20):
+        drafted = 4 if n % 4 == 0 else 0
+        lookup.observe(RoundOutcome(4, 0.002, 0.01, 1 + drafted, [(drafted, drafted)]))
+    assert lookup.draft_cost() == pytest.approx((0.002, 0.0))
+    model = AdaptiveK(4)
+    model.observe(RoundOutcome(2, 0.9, 1.0, 3, [(2, 2)]))
+    for k in (1, 2, 4):
+        model.observe(RoundOutcome(k, 0.003 * k, 0.01, k + 1, [(k, 0)]))
+    assert model.draft_cost() == pytest.approx((0.0, 0.003))
+
+
 def test_the_same_history_gives_the_same_choices():
     def run() -> list[int]:
         timings = iter([0.013, 0.011, 0.02, 0.017, 0.012] * 20)
@@ -266,7 +301,7 @@ def test_the_others_tokens_are_counted_at_their_verify_length():
     speeds = policy.tokens_per_second()
     assert abs(speeds[0] - (1 + 2 * 1.875) / 0.9) < 1e-9
     # The others' tokens wait for the step only, this request's for its draft too.
-    assert abs(speeds[1] - (1.5 / (policy.draft_cost() + 1.0) + 2 * 1.875 / 1.0)) < 1e-9
+    assert abs(speeds[1] - (1.5 / (sum(policy.draft_cost()) + 1.0) + 2 * 1.875 / 1.0)) < 1e-9
 
 
 def test_what_a_sequence_costs_a_step_is_not_taken_for_what_a_row_costs():
