@@ -123,6 +123,33 @@ def test_rows_written_into_the_reserved_buffers_read_as_dynamic_layers_after_ext
     assert reserved.get_seq_length() == 0
 
 
+def test_a_rollback_is_counted_not_sliced_and_later_rows_land_after_it():
+    """A Verify's rollback (`crop` within the own positions) only counts the positions kept, like
+    `extend`: no views are made until read, and the next step's rows are written after the kept
+    ones, by the kernel's reserve/extend or by update, as DynamicLayer would hold them."""
+    reserved, dynamic = ReservedLayer(), DynamicLayer()
+    like = torch.empty(1, 2, 0, 4)
+    keys, values = _rows(9, 1)
+    reserved.update(keys, values)
+    dynamic.update(keys, values)
+    views = reserved._keys
+    reserved.crop(-3)
+    dynamic.crop(-3)
+    assert reserved._keys is views and reserved.get_seq_length() == 6  # counted, not sliced
+    more_k, more_v = _rows(2, 2)
+    at = reserved.own_length()
+    reserved.reserve(2, like)
+    reserved._key_buffer[:, :, at : at + 2], reserved._value_buffer[:, :, at : at + 2] = more_k, more_v
+    reserved.extend(2)
+    dynamic.update(more_k, more_v)
+    reserved.crop(-1)
+    dynamic.crop(-1)
+    last_k, last_v = _rows(1, 3)
+    reserved.update(last_k, last_v)
+    dynamic.update(last_k, last_v)
+    _same(reserved, dynamic)
+
+
 def test_a_float16_cache_rounds_what_any_path_writes_and_its_forks_and_copies_stay_float16():
     """A float16 cache (KV_CACHE_DTYPE): `update` (transformers' and SDPA's path), the kernel's
     `reserve` and a fork's or copy's appends all store float16, rounded as torch rounds, so a row
