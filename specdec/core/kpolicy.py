@@ -13,10 +13,11 @@ a model draft proposes what it is asked for, a model-free one only as far as its
 confident, often nothing), so d(K) is the expected tokens drafted and a round verifies 1 + its
 draft's length; c_ask a Propose's cost whatever it drafts (measured on the asks that drafted
 nothing: a model-free drafter's call costs that much for any length) and c_token what each drafted
-token adds (a model draft's forward), verify(r) the measured cost of a Verify of r rows. A length not measured yet is estimated from the nearest measured one, scaled by the
-target's forward-cost curve (what the target service measured at start, `ModelInfo.forward_cost_ms`,
-extended past its rows by its upper half's slope); without a curve, the 1-row cost times a default
-factor, never below a measured shorter length.
+token adds (a model draft's forward), verify(r) the measured cost of a Verify of r rows. A length
+not measured yet is estimated from the nearest measured one, scaled by the target's forward-cost
+curve (what the target service measured at start, `ModelInfo.forward_cost_ms`, extended past its
+rows by its upper half's slope); without a curve, the 1-row cost times a default factor, never
+below a measured shorter length.
 
 In a batch (the target reports the sequences and rows of each Verify's whole step) the cost that
 matters is the shared step's: K draft rows lengthen a step that carries the others' rows too. The

@@ -17,11 +17,11 @@
 // does not depend on the rows, segments or threads beside it: a decode batched with others gives
 // the bits it gives alone, and a Verify row the bits of its own one-row decode.
 //
-// A cache holds float32 or float16 keys/values (`kv_half`; the services' KV_CACHE_DTYPE): float16 halves
-// what a step reads, and attention over the cache is bound by that (8 decodes of 400 cached tokens:
-// a third of the step). New rows are rounded to float16 (to nearest even) as they are appended, and
-// every row, the new ones included, reads them back from the cache, so the arithmetic is the same
-// in a prompt, a Verify and a decode.
+// A cache holds float32 or float16 keys/values (`kv_half`; the services' KV_CACHE_DTYPE): float16
+// halves what a step reads, and attention over the cache is bound by that (8 decodes of 400 cached
+// tokens: a third of the step). New rows are rounded to float16 (to nearest even) as they are
+// appended, and every row, the new ones included, reads them back from the cache, so the
+// arithmetic is the same in a prompt, a Verify and a decode.
 
 #include <immintrin.h>
 #include <stdlib.h>
