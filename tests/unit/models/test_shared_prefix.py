@@ -158,15 +158,21 @@ def test_evicting_readers_frees_the_prefix_and_the_others_keep_reading_it(tiny_l
     assert runner.cache.total_tokens == 4  # no reader left: the prefix is no longer counted
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
 def test_a_forked_sessions_short_rows_run_fused_with_the_bits_of_a_private_copy(
-    tiny_loaded, stored_once, monkeypatch
+    tiny_loaded, stored_once, monkeypatch, request, half
 ):
     """Decode and Verify rows after a shared prefix take the fused layers (the compiled attention
     reads the prefix's buffer, then the session's own), and give exactly what the same session
-    gives in a cache of its own: a fork changes where keys live, never a row's bits."""
+    gives in a cache of its own: a fork changes where keys live, never a row's bits; with float16
+    caches (KV_CACHE_DTYPE) too, the shared prefix held in float16."""
     from specdec.models import ragged
+    from specdec.models.kv_cache import set_cache_dtype
 
     model = tiny_loaded["target"].runner.model
+    if half:
+        set_cache_dtype(model, torch.float16)
+        request.addfinalizer(lambda: set_cache_dtype(model, None))  # the session's model, shared
     shared, private = _runner(model), _runner(model)
     fused = []
     original = ragged.fused_forward
@@ -185,6 +191,8 @@ def test_a_forked_sessions_short_rows_run_fused_with_the_bits_of_a_private_copy(
     shared.last_logits("second", [*PROMPT, 4, 4], 2)
     assert len(_roots(shared, ["first", "second"])) == 1 and shared_prefix(private.cache.peek("second").kv)[1] == 0
     assert len(fused) == 1  # the fork's two new rows ran fused
+    prefix_keys = shared.cache.peek("second").kv.layers[0].prefix_keys
+    assert prefix_keys.dtype == (torch.float16 if half else torch.float32)
     for tokens, last in (([5], 1), ([6, 7, 1], 3), ([2], 1)):  # a decode, a Verify, a decode after it
         second = [*shared.cache.token_ids("second"), *tokens]
         items = [StepItem("second", second, last), StepItem("first", [*PROMPT, 1, 2, 3, 4], 1)]
