@@ -323,12 +323,12 @@ def bf16_matmuls_wanted(setting: str, runner) -> bool:
     return True
 
 
-def use_kv_cache_dtype(runner, setting: str, role: str) -> str:
-    """Applies a service's KV_CACHE_DTYPE to its runner (once its linears are planned); returns the
-    dtype's name. auto: float16 where the linears multiply int8 rows (the model's numerics are
-    llama.cpp's already) and the compiled kernels attend, else float32. A target with float16
-    caches also runs uncached sequences through them (not left-padded in transformers' forward,
-    whose attention would read unrounded keys), so every law it sends is computed one way."""
+def use_kv_cache_dtype(runner, setting: str, role: str) -> None:
+    """Applies a service's KV_CACHE_DTYPE to its runner (once its linears are planned). auto:
+    float16 where the linears multiply int8 rows (the model's numerics are llama.cpp's already) and
+    the compiled kernels attend, else float32. A target with float16 caches also runs uncached
+    sequences through them (not left-padded in transformers' forward, whose attention would read
+    unrounded keys), so every law it sends is computed one way."""
     import torch
 
     half = setting == "float16" or (
@@ -338,7 +338,6 @@ def use_kv_cache_dtype(runner, setting: str, role: str) -> str:
     if half and role == "target":
         runner.pads_uncached = False
     log.info("%s KV caches in %s (KV_CACHE_DTYPE %s)", role, "float16" if half else "float32", setting)
-    return "float16" if half else "float32"
 
 
 def int8_matmuls_wanted(setting: str, runner) -> bool:
