@@ -32,9 +32,6 @@ from specdec.models.cpu_layout import PlannedLinear
 _FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
 _LINEARS += (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-_FORMS = {panels.Q4Panels: 1, panels.Q8Panels: 2, panels.Int8Q4Panels: 3, panels.Int8Q8Panels: 4}
-_HALF = 2  # an int8 form's number past the above when its scales are float16
-_COMPACT, _INT8 = frozenset({1, 2}), frozenset({3, 4, 5, 6})
 _CACHED = "_specdec_fused_layers"  # the model's FusedLayers, once built
 
 
@@ -53,20 +50,11 @@ class FusedLayers:
 
 def _linear_row(linear: PlannedLinear) -> tuple[list[int], list[torch.Tensor]]:
     """(layers.cpp's Linear for this layer: form, three addresses, outputs, bias; the tensors used)."""
-    weights = linear.weight_panels
-    if isinstance(weights, (panels.Q4Panels, panels.Int8Q4Panels)):
-        parts = [weights.nibbles, weights.scale, weights.offset]
-    elif isinstance(weights, (panels.Q8Panels, panels.Int8Q8Panels)):
-        parts = [weights.levels, weights.scale]
-    else:
-        parts = [weights]
+    form, parts = panels.kernel_form(linear.weight_panels)
     addresses = [p.data_ptr() for p in parts] + [0] * (3 - len(parts))
     if linear.bias is not None:
         parts.append(linear.bias.detach().to(torch.float32).contiguous())
     bias = parts[-1].data_ptr() if linear.bias is not None else 0
-    form = _FORMS.get(type(weights), 0)
-    if isinstance(weights, panels.INT8_FORMS) and panels.half_scales(weights):
-        form += _HALF
     return [form, *addresses, linear.out_features, bias], parts
 
 
@@ -114,7 +102,8 @@ def _build(model) -> FusedLayers:
     eps = float(model.model.layers[0].input_layernorm.variance_epsilon)
     table = torch.tensor(rows, dtype=torch.int64)
     sizes = (config.hidden_size, config.intermediate_size)
-    return FusedLayers(table, tuple(keep), *sizes, eps, compact=forms <= _COMPACT, int8=forms <= _INT8)
+    compact, int8 = forms <= panels.COMPACT_FORMS, forms <= panels.INT8_FORM_NUMBERS
+    return FusedLayers(table, tuple(keep), *sizes, eps, compact=compact, int8=int8)
 
 
 def fused_forward(

@@ -202,6 +202,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.int8_q4_product.restype = ctypes.c_int
     lib.int8_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr, size]
     lib.int8_q8_product.restype = ctypes.c_int
+    lib.int8_products.argtypes = [ptr, size, size, ptr, size]
+    lib.int8_products.restype = ctypes.c_int
     return lib
 
 
@@ -351,6 +353,26 @@ class Int8Q8Panels:
 INT8_FORMS = (Int8Q4Panels, Int8Q8Panels)
 
 
+# The kernels' number for a copy's form (layers.cpp's Linear, int8.cpp's Part): 0 float32 panels, 1 / 2 the
+# 4- / 8-bit copies, 3 / 4 those laid out for int8 rows, 5 / 6 the same with float16 scales.
+_FORM_NUMBERS = {Q4Panels: 1, Q8Panels: 2, Int8Q4Panels: 3, Int8Q8Panels: 4}
+COMPACT_FORMS, INT8_FORM_NUMBERS = frozenset({1, 2}), frozenset({3, 4, 5, 6})
+
+
+def kernel_form(copy) -> tuple[int, list[torch.Tensor]]:
+    """(the kernels' number for the copy's form, the tensors whose addresses follow it, in order)."""
+    if isinstance(copy, (Q4Panels, Int8Q4Panels)):
+        parts = [copy.nibbles, copy.scale, copy.offset]
+    elif isinstance(copy, (Q8Panels, Int8Q8Panels)):
+        parts = [copy.levels, copy.scale]
+    else:
+        parts = [copy]
+    form = _FORM_NUMBERS.get(type(copy), 0)
+    if isinstance(copy, INT8_FORMS) and half_scales(copy):
+        form += 2
+    return form, parts
+
+
 def _in_groups_of_4(levels: torch.Tensor) -> torch.Tensor:
     """[P, K, L] (L bytes per input) -> [P, K / 4, L * 4]: each byte's 4 consecutive inputs side by side."""
     count, k, width = levels.shape
@@ -414,13 +436,43 @@ def product(
     return _run(x, panels, out_features, "panels product", *kernels)[0]
 
 
+def int8_products(x: torch.Tensor, copies: list[tuple[Int8Q4Panels | Int8Q8Panels, int]]) -> list[torch.Tensor]:
+    """`product` of x [M, K] float32 with each (int8 form, out_features) in one kernel call, as the
+    fused layers run q / k / v and gate / up: x rounded once, every panel in one parallel loop, and
+    each result the bits of its own `product`."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the panels kernel is unavailable: {why}")
+    x = x.contiguous()
+    ys, table = [], []
+    for copy, out_features in copies:
+        _check(x, copy, out_features, "int8 products", dense=False)
+        form, parts = kernel_form(copy)
+        if form not in INT8_FORM_NUMBERS:
+            raise ValueError(f"int8 products of a {type(copy).__name__}")
+        y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        addresses = [t.data_ptr() for t in parts] + [0] * (3 - len(parts))
+        table += [form, *addresses, out_features, y.data_ptr()]
+        ys.append(y)
+    parts_table = torch.tensor(table, dtype=torch.int64)
+    if lib.int8_products(x.data_ptr(), x.shape[0], x.shape[1], parts_table.data_ptr(), len(copies)) != 0:
+        raise MemoryError("the int8 products could not allocate their rows' levels")
+    return ys
+
+
+def _check(x: torch.Tensor, panels, out_features: int, what: str, dense: bool) -> None:
+    """ValueError naming `what` unless x [M, K] float32 fits the copy (a float32 `pack` only if dense)."""
+    count, k, width = panels.shape
+    bad = x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features
+    if bad or (not dense and isinstance(panels, torch.Tensor)):
+        raise ValueError(f"{what} of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
+
+
 def _run(x: torch.Tensor, panels, out_features: int, what: str, q4, q8, f32=None) -> tuple[torch.Tensor, int]:
     """(y, the kernel's status) of the kernel for the copy's form (q4 / q8 / f32) on x, after
     checking x against the copy (ValueError naming `what`)."""
-    count, k, width = panels.shape
-    bad = x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or width != PANEL or count * PANEL < out_features
-    if bad or (f32 is None and isinstance(panels, torch.Tensor)):
-        raise ValueError(f"{what} of {tuple(x.shape)} {x.dtype} with panels {tuple(panels.shape)}")
+    _check(x, panels, out_features, what, dense=f32 is not None)
+    k = panels.shape[1]
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if isinstance(panels, (Q4Panels, Int8Q4Panels)):

@@ -129,15 +129,81 @@ static inline void panel_rows(const Form& w, const int8_t* qx, const float* dx, 
     }
 }
 
-// 0, or -1 when the rows' levels could not be allocated (nothing written).
-template <bool HALF, class MakeW>
-static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
-    const long blocks = K / BLOCK, count = (N + PANEL - 1) / PANEL;
+// Every row of x (levels qx, dx, sx, qs as `quantize` left them) against one panel of w, GROUP rows
+// a pass: out = y + the panel's first output n0, rows N apart.
+template <bool HALF, class Form>
+static void panel_all_rows(const Form& w, const int8_t* qx, const float* dx, const float* sx, const int32_t* qs,
+                           long M, long K, float* y, long N, long n0) {
+    const long blocks = K / BLOCK;
+    for (long m = 0; m < M; m += GROUP) {
+        const int8_t* q = qx + m * K;
+        const float *d = dx + m * blocks, *s = sx + m * blocks;
+        const int32_t* n = qs + m * blocks;
+        float* out = y + m * N;
+        switch (M - m < GROUP ? M - m : GROUP) {
+            case 1: panel_rows<1, HALF>(w, q, d, s, n, K, out, N, n0); break;
+            case 2: panel_rows<2, HALF>(w, q, d, s, n, K, out, N, n0); break;
+            case 3: panel_rows<3, HALF>(w, q, d, s, n, K, out, N, n0); break;
+            case 4: panel_rows<4, HALF>(w, q, d, s, n, K, out, N, n0); break;
+            case 5: panel_rows<5, HALF>(w, q, d, s, n, K, out, N, n0); break;
+            case 6: panel_rows<6, HALF>(w, q, d, s, n, K, out, N, n0); break;
+        }
+    }
+}
+
+// One product's weights as int8_products takes them (6 int64, layers.cpp's Linear): form (3 / 4:
+// 4- / 8-bit, 5 / 6: the same with float16 scales), the 4-bit form's nibbles, scales, offsets (the
+// 8-bit form's levels, scales, 0), its outputs N, and where its [M, N] result goes.
+struct Part {
+    long form, a, b, c, out, y;
+};
+enum { INT8_Q4 = 3, INT8_Q8 = 4, INT8_Q4_HALF = 5, INT8_Q8_HALF = 6 };
+
+// Panel p (of its own N / 32) of one part against every row.
+static void part_panel(const Part& part, long p, const int8_t* qx, const float* dx, const float* sx,
+                       const int32_t* qs, long M, long K) {
+    const unsigned char* packed = (const unsigned char*)part.a;
+    float* y = (float*)part.y;
+    switch (part.form) {
+        case INT8_Q4:
+        case INT8_Q4_HALF: {
+            const long bytes = part.form == INT8_Q4_HALF ? 2 : 4;
+            const Q4 w{packed + p * K * 16, (const char*)part.b + p * K * bytes, (const char*)part.c + p * K * bytes};
+            if (bytes == 2)
+                panel_all_rows<true>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
+            else
+                panel_all_rows<false>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
+            break;
+        }
+        case INT8_Q8:
+        case INT8_Q8_HALF: {
+            const long bytes = part.form == INT8_Q8_HALF ? 2 : 4;
+            const Q8 w{packed + p * K * PANEL, (const char*)part.b + p * K * bytes};
+            if (bytes == 2)
+                panel_all_rows<true>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
+            else
+                panel_all_rows<false>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
+            break;
+        }
+    }
+}
+
+// The products of `count` parts with the same x [M, K]: x rounded once, and all their panels in one
+// parallel loop (a layer's q / k / v, its gate / up: one barrier and one rounding instead of three
+// or two). Each output is its own panel's sums over the same levels, so every part's result has the
+// bits of its own product. 0, or -1 when the rows' levels could not be allocated (nothing written).
+extern "C" int int8_products(const float* x, long M, long K, const long* table, long count) {
+    const Part* parts = (const Part*)table;
+    for (long i = 0; i < count; i++)
+        if (parts[i].form < INT8_Q4 || parts[i].form > INT8_Q8_HALF) return -1;
+    const long blocks = K / BLOCK;
     int8_t* qx = (int8_t*)malloc(M * K + 3 * sizeof(float) * M * blocks);
     if (qx == nullptr) return -1;
     float* dx = (float*)(qx + M * K);  // (M * K is a multiple of 32: aligned for floats)
     float* sx = dx + M * blocks;
     int32_t* qs = (int32_t*)(sx + M * blocks);
+    long panels = 0;
+    for (long i = 0; i < count; i++) panels += (parts[i].out + PANEL - 1) / PANEL;
     const auto round_row = [=](long r) {
         quantize(x + r * K, K, qx + r * K, dx + r * blocks, sx + r * blocks, qs + r * blocks);
     };
@@ -153,22 +219,10 @@ static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
             for (long r = 0; r < M; r++) round_row(r);
         }
 #pragma omp for schedule(static) nowait
-        for (long p = 0; p < count; p++) {
-            const auto w = make(p);
-            for (long m = 0; m < M; m += GROUP) {
-                const int8_t* q = qx + m * K;
-                const float *d = dx + m * blocks, *s = sx + m * blocks;
-                const int32_t* n = qs + m * blocks;
-                float* out = y + m * N;
-                switch (M - m < GROUP ? M - m : GROUP) {
-                    case 1: panel_rows<1, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 2: panel_rows<2, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 3: panel_rows<3, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 4: panel_rows<4, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 5: panel_rows<5, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                    case 6: panel_rows<6, HALF>(w, q, d, s, n, K, out, N, p * PANEL); break;
-                }
-            }
+        for (long g = 0; g < panels; g++) {
+            long i = 0, p = g;  // panel p of part i
+            for (long own; p >= (own = (parts[i].out + PANEL - 1) / PANEL); i++) p -= own;
+            part_panel(parts[i], p, qx, dx, sx, qs, M, K);
         }
     }
     free(qx);
@@ -178,18 +232,14 @@ static int run(const float* x, long M, long K, long N, float* y, MakeW make) {
 // half: the scales (and offsets) are float16, else float32.
 extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const void* scale,
                                const void* offset, long N, float* y, long half) {
-    const long bytes = half ? 2 : 4;
-    auto make = [=](long p) {
-        return Q4{packed + p * K * 16, (const char*)scale + p * K * bytes, (const char*)offset + p * K * bytes};
-    };
-    return half ? run<true>(x, M, K, N, y, make) : run<false>(x, M, K, N, y, make);
+    const long part[6] = {half ? INT8_Q4_HALF : INT8_Q4, (long)packed, (long)scale, (long)offset, N, (long)y};
+    return int8_products(x, M, K, part, 1);
 }
 
 extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
                                float* y, long half) {
-    const long bytes = half ? 2 : 4;
-    auto make = [=](long p) { return Q8{packed + p * K * PANEL, (const char*)scale + p * K * bytes}; };
-    return half ? run<true>(x, M, K, N, y, make) : run<false>(x, M, K, N, y, make);
+    const long part[6] = {half ? INT8_Q8_HALF : INT8_Q8, (long)packed, (long)scale, 0, N, (long)y};
+    return int8_products(x, M, K, part, 1);
 }
 
 #else  // another compiler: unavailable
@@ -202,5 +252,6 @@ extern "C" int int8_q4_product(const float*, long, long, const unsigned char*, c
 extern "C" int int8_q8_product(const float*, long, long, const unsigned char*, const void*, long, float*, long) {
     return -1;
 }
+extern "C" int int8_products(const float*, long, long, const long*, long) { return -1; }
 
 #endif

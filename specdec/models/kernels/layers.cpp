@@ -34,6 +34,7 @@ extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned ch
                                const void* offset, long N, float* y, long half);
 extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
                                float* y, long half);
+extern "C" int int8_products(const float* x, long M, long K, const long* parts, long count);
 #define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
                                  const float* v, long v_token, long v_head, const long* table, long count, long heads,
@@ -54,6 +55,12 @@ struct Layer {
 };
 
 enum { F32 = 0, Q4 = 1, Q8 = 2, INT8_Q4 = 3, INT8_Q8 = 4, INT8_Q4_HALF = 5, INT8_Q8_HALF = 6 };
+
+static void add_bias(const Linear& w, long rows, float* y) {
+    if (w.bias)
+        for (long r = 0; r < rows; r++)
+            for (long n = 0; n < w.out; n++) y[r * w.out + n] += ((const float*)w.bias)[n];
+}
 
 // tiles: the 4- and 8-bit forms on AMX tiles (amx.cpp; a prompt's rows, see decoder_layers),
 // panels.cpp where amx.cpp could not allocate its buffers. 1 when an int8 product could not
@@ -84,9 +91,30 @@ static int product(const Linear& w, const float* x, long rows, long in, float* y
                 return 1;
             break;
     }
-    if (w.bias)
-        for (long r = 0; r < rows; r++)
-            for (long n = 0; n < w.out; n++) y[r * w.out + n] += ((const float*)w.bias)[n];
+    add_bias(w, rows, y);
+    return 0;
+}
+
+// Up to three products of the same x, into ys: as one int8_products call (x rounded once, one
+// parallel loop, the same bits as one by one) where every linear multiplies int8 rows (which never
+// take the tiles), else one by one. 1 when an int8 product could not allocate, else 0.
+static int products(const Linear* const* ws, float* const* ys, long count, const float* x, long rows, long in,
+                    long tiles) {
+    bool together = true;
+    for (long i = 0; i < count; i++) together = together && ws[i]->form >= INT8_Q4;
+    if (!together) {
+        int failed = 0;
+        for (long i = 0; i < count; i++) failed |= product(*ws[i], x, rows, in, ys[i], tiles);
+        return failed;
+    }
+    long parts[3 * 6];
+    for (long i = 0; i < count; i++) {
+        const Linear& w = *ws[i];
+        const long part[6] = {w.form, w.a, w.b, w.c, w.out, (long)ys[i]};
+        memcpy(parts + 6 * i, part, sizeof(part));
+    }
+    if (int8_products(x, rows, in, parts, count)) return 1;
+    for (long i = 0; i < count; i++) add_bias(*ws[i], rows, ys[i]);
     return 0;
 }
 
@@ -167,9 +195,9 @@ extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, cons
     for (long l = 0; l < count_layers && !failed; l++) {
         const Layer& w = ((const Layer*)layers)[l];
         rms_norm(h, rows, hidden, (const float*)w.input_norm, eps, normed);
-        failed |= product(w.q, normed, rows, hidden, q, tiles);
-        failed |= product(w.k, normed, rows, hidden, k, tiles);
-        failed |= product(w.v, normed, rows, hidden, v, tiles);
+        const Linear* qkv[3] = {&w.q, &w.k, &w.v};
+        float* const qkv_out[3] = {q, k, v};
+        failed |= products(qkv, qkv_out, 3, normed, rows, hidden, tiles);
         rotate(q, rows, heads, dim, cos, sin);
         rotate(k, rows, kv_heads, dim, cos, sin);
         ragged_attention(q, q_width, dim, k, kv_width, dim, v, kv_width, dim, tables + l * segments * SEGMENT_COLUMNS,
@@ -177,8 +205,9 @@ extern "C" int decoder_layers(float* h, long rows, long hidden, long inter, cons
         failed |= product(w.o, attended, rows, q_width, gate, tiles);  // (gate as scratch: [rows, hidden] fits)
         add(h, gate, rows * hidden);
         rms_norm(h, rows, hidden, (const float*)w.post_norm, eps, normed);
-        failed |= product(w.gate, normed, rows, hidden, gate, tiles);
-        failed |= product(w.up, normed, rows, hidden, up, tiles);
+        const Linear* gate_up[2] = {&w.gate, &w.up};
+        float* const gate_up_out[2] = {gate, up};
+        failed |= products(gate_up, gate_up_out, 2, normed, rows, hidden, tiles);
         silu_times(gate, up, rows * inter);
         failed |= product(w.down, gate, rows, inter, up, tiles);  // (up as scratch: [rows, hidden] fits)
         add(h, up, rows * hidden);

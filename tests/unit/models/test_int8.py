@@ -211,3 +211,22 @@ def test_a_prompt_of_an_int8_model_runs_in_the_fused_layers(monkeypatch):
     monkeypatch.setattr(ragged, "fused_forward", lambda *a, **kw: calls.append(kw["tiles"]) or fused_forward(*a, **kw))
     ModelRunner(_compact_model(1), SessionKVCache(8, 10_000)).last_logits("s", list(range(1, 40)), 1)
     assert calls == [False]  # fused, and never on AMX tiles (another arithmetic)
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 5, 7, 13])
+def test_products_of_one_x_in_one_call_give_each_products_own_bits(rows):
+    """The fused layers' q / k / v and gate / up (`int8_products`: x rounded once, all panels in one
+    loop): each result equal to its own `product`, whatever the forms and widths beside it."""
+    copies = [
+        (panels.to_int8(panels.pack_compact(_q4_weight(100, 576, 1))), 100),  # float16 scales, a partial panel
+        (panels.to_int8(panels.pack_q8(_q8_weight(64, 576, 2))), 64),
+        (panels.to_int8(panels.pack_compact(_q4_weight(33, 576, 3))), 33),
+    ]
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576)
+    together = panels.int8_products(x, copies)
+    for (copy, out), got in zip(copies, together, strict=True):
+        assert torch.equal(got, panels.product(x, copy, out))
+    with pytest.raises(ValueError, match="int8 products"):
+        panels.int8_products(x, [(panels.pack_compact(_q4_weight(32, 576, 4)), 32)])
