@@ -22,7 +22,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.core.engine import SpeculativeEngine
 from specdec.core.errors import Unavailable
 from specdec.core.protocols import Deadline
-from specdec.models.sources import load_tokenizer, tokenizer_fingerprint
+from specdec.models.sources import TokenizerText, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.logs import REQUEST_ID_KEY, log_context, request_id_or_new
@@ -83,15 +83,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.pools = Pools(
             draft, target, settings.tokenizer, tokenizer_fingerprint(tokenizer), settings.pool_info_refresh_s
         )
+        self.decode = TokenizerText(tokenizer)
         engine = SpeculativeEngine(draft, target, self.decode)
         self.generator = Generator(settings, engine, self.pools.info, tokenizer, store)
 
     def use_registry(self, registry) -> None:
         """Generation metrics next to the per-call ones the interceptor keeps."""
         self.generator.metrics = GenerationMetrics(registry, self.generator.settings.max_num_speculative_tokens)
-
-    def decode(self, token_ids) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def tenant(self, context) -> str:
         """The caller's tenant from its API key (UNAUTHENTICATED without a valid one; "" with keys off)."""

@@ -18,7 +18,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.client import build_request
 from specdec.core.engine import SpeculativeEngine
 from specdec.core.protocols import NO_DEADLINE
-from specdec.models.sources import DEFAULT_DRAFT, DEFAULT_MODEL
+from specdec.models.sources import DEFAULT_DRAFT, DEFAULT_MODEL, TokenizerText
 from specdec.v1 import coordinator_pb2
 
 
@@ -80,6 +80,7 @@ class InProcessPipeline:
         if self.draft is not None and self.draft.runner is not None:
             # One OpenMP team for both models, as one service process has for its one model.
             self.draft.runner.share_model_thread(self.target.runner)
+        self.decode = TokenizerText(self.tokenizer)
         engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner), self.decode)
         if self.draft is None:
             coordinator_settings.setdefault("default_num_speculative_tokens", "0")
@@ -108,9 +109,6 @@ class InProcessPipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def decode(self, token_ids) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> coordinator_pb2.GenerateResponse:
         return self.generator.generate(build_request(prompt, **kwargs), NO_DEADLINE, lambda: True)

@@ -31,7 +31,7 @@ from specdec.core.protocols import (
     VerifyResult,
 )
 from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
-from specdec.core.text import Decode, stop_point
+from specdec.core.text import Decode, GrowingText, concatenates, stop_point
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class Sample:
     generated: list[int] = field(default_factory=list)
     finish_reason: int = FINISH_RUNNING
     stopped_text: str | None = None  # text cut before a stop string, once one matched
+    text: GrowingText | None = field(default=None, repr=False, compare=False)  # its decode, where that grows
 
     @property
     def running(self) -> bool:
@@ -385,7 +386,7 @@ class SpeculativeEngine:
                 sample.finish_reason = FINISH_LENGTH
             if not sample.running:
                 break
-        stopped = stop_point(self.decode, sample.generated, before, spec.stop)
+        stopped = stop_point(self._decode_of(sample), sample.generated, before, spec.stop)
         if stopped is not None:
             count, sample.stopped_text = stopped
             dropped = len(sample.generated) - count
@@ -396,7 +397,15 @@ class SpeculativeEngine:
         return sample.generated[before:]
 
     def text_of(self, sample: Sample) -> str:
-        return sample.stopped_text if sample.stopped_text is not None else self.decode(sample.generated)
+        return sample.stopped_text if sample.stopped_text is not None else self._decode_of(sample)(sample.generated)
+
+    def _decode_of(self, sample: Sample) -> Decode:
+        """The decode for this sample's own growing tokens: only what is new, where the decode allows."""
+        if not concatenates(self.decode):
+            return self.decode
+        if sample.text is None:
+            sample.text = GrowingText(self.decode)
+        return sample.text
 
 
 def new_samples(spec: GenerationSpec) -> list[Sample]:

@@ -88,6 +88,21 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
 
 
+class TokenizerText:
+    """Token ids -> the text every response shows (special tokens left out, spaces as decoded)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        # A byte-level BPE's text (GPT-2, Llama 3, Qwen, SmolLM) is the UTF-8 of its tokens' bytes, so
+        # it concatenates at every whole character (`specdec.core.text.GrowingText` decodes only the
+        # new tokens); other decoders (SentencePiece's leading-space rule, word-level joins) may not.
+        self.concatenates = type(decoder).__name__ == "ByteLevel"
+
+    def __call__(self, token_ids) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class DraftArtifactError(ValueError):
     """A directory that claims to be a draft artifact but cannot be loaded as one."""
 

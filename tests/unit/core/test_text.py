@@ -99,3 +99,37 @@ def test_a_stream_holds_back_the_longest_tail_any_stop_could_start():
     stream = TextStream(stop=("xyz", "yzzz"))
     assert stream.delta("abxyzz", False) == "abx"  # "yzz" could start "yzzz"
     assert stream.delta("abxyzzqx", False) == "yzzq"  # "x" could start "xyz"
+
+
+def test_growing_text_is_the_whole_decode_every_round():
+    """Rounds append a few byte tokens (characters split across rounds, stray bytes that never make
+    one, U+FFFD itself) and now and then a stop string cuts a few back: the text decoded a round at a
+    time is the whole list's decode every time."""
+    import random
+
+    from specdec.core.text import GrowingText
+
+    rng = random.Random(1)
+    pieces = [b"a", b" ", "é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\x80", "\ufffd".encode()]
+    for _ in range(300):
+        grown = GrowingText(_utf8_bytes)
+        tokens: list[int] = []
+        for _ in range(12):
+            tokens += list(b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 3))))
+            if rng.random() < 0.2:
+                del tokens[len(tokens) - rng.randint(0, 3) :]
+            assert grown(tokens) == _utf8_bytes(tokens), tokens
+            assert grown(tokens[: grown.count]) == _utf8_bytes(tokens[: grown.count])  # a prefix of the list
+
+
+def test_growing_text_decodes_only_what_is_new():
+    from specdec.core.text import GrowingText
+
+    seen: list[int] = []
+    grown = GrowingText(lambda ids: (seen.append(len(ids)), _utf8_bytes(ids))[1])
+    tokens = list(b"abc")
+    grown(tokens)
+    tokens += list("é".encode())[:1]  # half a character: decoded again with the next round
+    grown(tokens)
+    tokens += list("é".encode())[1:] + list(b"d")
+    assert grown(tokens) == "abcéd" and seen == [3, 1, 3]

@@ -230,3 +230,31 @@ def test_importing_sources_does_not_import_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_a_byte_level_tokenizers_text_grows_a_round_at_a_time_as_decoded_whole(tmp_path):
+    """The packaged SmolLM2 tokenizer (byte-level BPE): `TokenizerText` says it concatenates, and
+    answers of random tokens (special ones, byte tokens that split characters, seeded), decoded a
+    round at a time, are the whole decode every round. A word-level tokenizer's text does not
+    concatenate (its decode joins with spaces): decoded whole every time."""
+    import random
+
+    from specdec.core.text import GrowingText
+    from specdec.models.sources import TokenizerText
+
+    text = TokenizerText(load_tokenizer("smollm2-135m-instruct"))
+    assert text.concatenates
+    vocab = len(text.tokenizer)
+    rng = random.Random(0)
+    byte_tokens = text.tokenizer.convert_tokens_to_ids(["Ã", "©", "ð", "Ł", "ĺ", "Ģ"])  # é and 😀, a byte each
+    assert text(byte_tokens) == "é😀"
+    partial = 0
+    for _ in range(20):
+        grown, tokens = GrowingText(text), []
+        for _ in range(30):
+            tokens += [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(vocab) for _ in range(4)]
+            assert grown(tokens) == text(tokens)
+            partial += grown.count < len(tokens)
+    assert partial  # rounds that ended inside a character happened
+    save_tokenizer(tmp_path)
+    assert not TokenizerText(load_tokenizer(str(tmp_path))).concatenates
