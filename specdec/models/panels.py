@@ -198,10 +198,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.amx_q8_product.restype = ctypes.c_int
     lib.int8_built.argtypes = []
     lib.int8_built.restype = ctypes.c_int
-    lib.int8_q4_product.argtypes = [ptr, size, size, ptr, ptr, ptr, size, ptr, size]
-    lib.int8_q4_product.restype = ctypes.c_int
-    lib.int8_q8_product.argtypes = [ptr, size, size, ptr, ptr, size, ptr, size]
-    lib.int8_q8_product.restype = ctypes.c_int
     lib.int8_products.argtypes = [ptr, size, size, ptr, size]
     lib.int8_products.restype = ctypes.c_int
     return lib
@@ -426,23 +422,21 @@ def product(
         if lib is None:
             raise RuntimeError(f"the panels kernel is unavailable: {why}")
     if isinstance(panels, INT8_FORMS):
-        half = int(half_scales(panels))
-        q4, q8 = (lambda *a: lib.int8_q4_product(*a, half)), (lambda *a: lib.int8_q8_product(*a, half))
-        y, status = _run(x, panels, out_features, "int8 product", q4, q8)
-        if status != 0:
-            raise MemoryError("the int8 product could not allocate its rows' levels")
-        return y
+        return int8_products(x, [(panels, out_features)], lib)[0]
     kernels = (lib.panels_q4_product, lib.panels_q8_product, lib.panels_product)
     return _run(x, panels, out_features, "panels product", *kernels)[0]
 
 
-def int8_products(x: torch.Tensor, copies: list[tuple[Int8Q4Panels | Int8Q8Panels, int]]) -> list[torch.Tensor]:
+def int8_products(
+    x: torch.Tensor, copies: list[tuple[Int8Q4Panels | Int8Q8Panels, int]], lib: ctypes.CDLL | None = None
+) -> list[torch.Tensor]:
     """`product` of x [M, K] float32 with each (int8 form, out_features) in one kernel call, as the
     fused layers run q / k / v and gate / up: x rounded once, every panel in one parallel loop, and
-    each result the bits of its own `product`."""
-    lib, why = _library()
+    each result the bits of its own one-copy call."""
     if lib is None:
-        raise RuntimeError(f"the panels kernel is unavailable: {why}")
+        lib, why = _library()
+        if lib is None:
+            raise RuntimeError(f"the panels kernel is unavailable: {why}")
     x = x.contiguous()
     ys, table = [], []
     for copy, out_features in copies:
@@ -475,10 +469,10 @@ def _run(x: torch.Tensor, panels, out_features: int, what: str, q4, q8, f32=None
     k = panels.shape[1]
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if isinstance(panels, (Q4Panels, Int8Q4Panels)):
+    if isinstance(panels, Q4Panels):
         parts = (panels.nibbles.data_ptr(), panels.scale.data_ptr(), panels.offset.data_ptr())
         status = q4(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
-    elif isinstance(panels, (Q8Panels, Int8Q8Panels)):
+    elif isinstance(panels, Q8Panels):
         parts = (panels.levels.data_ptr(), panels.scale.data_ptr())
         status = q8(x.data_ptr(), x.shape[0], k, *parts, out_features, y.data_ptr())
     else:

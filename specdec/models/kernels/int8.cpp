@@ -163,29 +163,19 @@ enum { INT8_Q4 = 3, INT8_Q8 = 4, INT8_Q4_HALF = 5, INT8_Q8_HALF = 6 };
 static void part_panel(const Part& part, long p, const int8_t* qx, const float* dx, const float* sx,
                        const int32_t* qs, long M, long K) {
     const unsigned char* packed = (const unsigned char*)part.a;
-    float* y = (float*)part.y;
-    switch (part.form) {
-        case INT8_Q4:
-        case INT8_Q4_HALF: {
-            const long bytes = part.form == INT8_Q4_HALF ? 2 : 4;
-            const Q4 w{packed + p * K * 16, (const char*)part.b + p * K * bytes, (const char*)part.c + p * K * bytes};
-            if (bytes == 2)
-                panel_all_rows<true>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
-            else
-                panel_all_rows<false>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
-            break;
-        }
-        case INT8_Q8:
-        case INT8_Q8_HALF: {
-            const long bytes = part.form == INT8_Q8_HALF ? 2 : 4;
-            const Q8 w{packed + p * K * PANEL, (const char*)part.b + p * K * bytes};
-            if (bytes == 2)
-                panel_all_rows<true>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
-            else
-                panel_all_rows<false>(w, qx, dx, sx, qs, M, K, y, part.out, p * PANEL);
-            break;
-        }
-    }
+    const bool half = part.form == INT8_Q4_HALF || part.form == INT8_Q8_HALF;
+    const long bytes = half ? 2 : 4;
+    const char *scale = (const char*)part.b + p * K * bytes, *offset = (const char*)part.c + p * K * bytes;
+    const auto rows = [&](const auto& w) {
+        if (half)
+            panel_all_rows<true>(w, qx, dx, sx, qs, M, K, (float*)part.y, part.out, p * PANEL);
+        else
+            panel_all_rows<false>(w, qx, dx, sx, qs, M, K, (float*)part.y, part.out, p * PANEL);
+    };
+    if (part.form == INT8_Q4 || part.form == INT8_Q4_HALF)
+        rows(Q4{packed + p * K * 16, scale, offset});
+    else
+        rows(Q8{packed + p * K * PANEL, scale});
 }
 
 // The products of `count` parts with the same x [M, K]: x rounded once, and all their panels in one
@@ -229,29 +219,9 @@ extern "C" int int8_products(const float* x, long M, long K, const long* table, 
     return 0;
 }
 
-// half: the scales (and offsets) are float16, else float32.
-extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const void* scale,
-                               const void* offset, long N, float* y, long half) {
-    const long part[6] = {half ? INT8_Q4_HALF : INT8_Q4, (long)packed, (long)scale, (long)offset, N, (long)y};
-    return int8_products(x, M, K, part, 1);
-}
-
-extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
-                               float* y, long half) {
-    const long part[6] = {half ? INT8_Q8_HALF : INT8_Q8, (long)packed, (long)scale, 0, N, (long)y};
-    return int8_products(x, M, K, part, 1);
-}
-
 #else  // another compiler: unavailable
 
 extern "C" int int8_built(void) { return 0; }
-extern "C" int int8_q4_product(const float*, long, long, const unsigned char*, const void*, const void*, long, float*,
-                               long) {
-    return -1;
-}
-extern "C" int int8_q8_product(const float*, long, long, const unsigned char*, const void*, long, float*, long) {
-    return -1;
-}
 extern "C" int int8_products(const float*, long, long, const long*, long) { return -1; }
 
 #endif

@@ -30,10 +30,6 @@ extern "C" int amx_q4_product(const float* x, long M, long K, const unsigned cha
                               const float* offset, long N, float* y);
 extern "C" int amx_q8_product(const float* x, long M, long K, const signed char* levels, const float* scale, long N,
                               float* y);
-extern "C" int int8_q4_product(const float* x, long M, long K, const unsigned char* packed, const void* scale,
-                               const void* offset, long N, float* y, long half);
-extern "C" int int8_q8_product(const float* x, long M, long K, const unsigned char* packed, const void* scale, long N,
-                               float* y, long half);
 extern "C" int int8_products(const float* x, long M, long K, const long* parts, long count);
 #define SEGMENT_COLUMNS 10  // the longs of one segment's row in a ragged_attention table (attention.cpp)
 extern "C" void ragged_attention(const float* q, long q_token, long q_head, const float* k, long k_token, long k_head,
@@ -62,6 +58,21 @@ static void add_bias(const Linear& w, long rows, float* y) {
             for (long n = 0; n < w.out; n++) y[r * w.out + n] += ((const float*)w.bias)[n];
 }
 
+// The int8 products of `count` linears of the same x, into ys, in one int8_products call (x rounded
+// once, one parallel loop, each output the bits of its own product). 1 when it could not allocate.
+static int int8_products_of(const Linear* const* ws, float* const* ys, long count, const float* x, long rows,
+                            long in) {
+    long parts[3 * 6];
+    for (long i = 0; i < count; i++) {
+        const Linear& w = *ws[i];
+        const long part[6] = {w.form, w.a, w.b, w.c, w.out, (long)ys[i]};
+        memcpy(parts + 6 * i, part, sizeof(part));
+    }
+    if (int8_products(x, rows, in, parts, count)) return 1;
+    for (long i = 0; i < count; i++) add_bias(*ws[i], rows, ys[i]);
+    return 0;
+}
+
 // tiles: the 4- and 8-bit forms on AMX tiles (amx.cpp; a prompt's rows, see decoder_layers),
 // panels.cpp where amx.cpp could not allocate its buffers. 1 when an int8 product could not
 // allocate its rows' levels (its output unwritten), else 0.
@@ -78,18 +89,11 @@ static int product(const Linear& w, const float* x, long rows, long in, float* y
             if (tiles && amx_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y) == 0) break;
             panels_q8_product(x, rows, in, (const signed char*)w.a, (const float*)w.b, w.out, y);
             break;
-        case INT8_Q4:
-        case INT8_Q4_HALF:
-            if (int8_q4_product(x, rows, in, (const unsigned char*)w.a, (const void*)w.b, (const void*)w.c, w.out, y,
-                                w.form == INT8_Q4_HALF))
-                return 1;
-            break;
-        case INT8_Q8:
-        case INT8_Q8_HALF:
-            if (int8_q8_product(x, rows, in, (const unsigned char*)w.a, (const void*)w.b, w.out, y,
-                                w.form == INT8_Q8_HALF))
-                return 1;
-            break;
+        default: {  // INT8_Q4, INT8_Q8 and their _HALF forms
+            const Linear* one[1] = {&w};
+            float* const out[1] = {y};
+            return int8_products_of(one, out, 1, x, rows, in);
+        }
     }
     add_bias(w, rows, y);
     return 0;
@@ -102,20 +106,10 @@ static int products(const Linear* const* ws, float* const* ys, long count, const
                     long tiles) {
     bool together = true;
     for (long i = 0; i < count; i++) together = together && ws[i]->form >= INT8_Q4;
-    if (!together) {
-        int failed = 0;
-        for (long i = 0; i < count; i++) failed |= product(*ws[i], x, rows, in, ys[i], tiles);
-        return failed;
-    }
-    long parts[3 * 6];
-    for (long i = 0; i < count; i++) {
-        const Linear& w = *ws[i];
-        const long part[6] = {w.form, w.a, w.b, w.c, w.out, (long)ys[i]};
-        memcpy(parts + 6 * i, part, sizeof(part));
-    }
-    if (int8_products(x, rows, in, parts, count)) return 1;
-    for (long i = 0; i < count; i++) add_bias(*ws[i], rows, ys[i]);
-    return 0;
+    if (together) return int8_products_of(ws, ys, count, x, rows, in);
+    int failed = 0;
+    for (long i = 0; i < count; i++) failed |= product(*ws[i], x, rows, in, ys[i], tiles);
+    return failed;
 }
 
 // y = weight * x / sqrt(mean(x^2) + eps), row by row; the squares summed in 8 interleaved partial
