@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specdec.core.suffix import SuffixCache, SuffixParams, SuffixTrie, Window, confident_continuation
+from specdec.core.suffix import ROOT, SuffixCache, SuffixParams, SuffixTrie, Window, confident_continuation
 
 LOOSE = SuffixParams(max_depth=8, min_match=1, min_token_prob=0.3, min_path_prob=0.1)
 
@@ -24,6 +24,16 @@ def _rebuilt(cache: SuffixCache) -> SuffixTrie:
         for token in window.tokens:
             trie.append(fresh, token)
     return trie
+
+
+def _depths(trie: SuffixTrie) -> set[tuple[int, int]]:
+    """{(node depth, path length)} over the live nodes: equal pairs where the depths are right."""
+    out, stack = set(), [(ROOT, 0)]
+    while stack:
+        node, length = stack.pop()
+        out.add((trie.depth(node), length))
+        stack.extend((child, length + 1) for _, child in trie.children(node))
+    return out
 
 
 def test_the_trie_counts_every_substring_up_to_max_depth():
@@ -133,6 +143,7 @@ def test_memory_follows_the_bound():
         cache.propose(f"s{step % 13}", [rng.randrange(50) for _ in range(rng.randrange(1, 80))], 3)
         assert cache.total_tokens <= 500
         assert cache.trie.nodes <= 500 * 8  # at most max_depth substrings start at each kept token
+        assert cache.trie.slots <= 500 * 8  # freed ids are reused
     assert cache.trie.snapshot() == _rebuilt(cache).snapshot()
 
 
@@ -155,6 +166,7 @@ def test_incremental_updates_equal_a_rebuild():
             assert window.tokens == prefix[window.offset :]
             fresh = _rebuilt(cache)
             assert cache.trie.snapshot() == fresh.snapshot()
+            assert all(depth == length for depth, length in _depths(cache.trie))  # rematches read depths
             assert window.ends == [cache.trie.walk(window.tokens[-n:]) for n in range(1, len(window.ends) + 1)]
             assert proposal == confident_continuation(fresh, _window_in(fresh, window), 4, cache.params)
 
