@@ -271,6 +271,7 @@ class SpeculativeEngine:
         if not self.health.may_propose():
             self._fallback(stats)
             return None, 0.0
+        started = time.perf_counter()  # the requests' making too: a drafting round pays it, K = 0 does not
         requests = [
             DraftRequest(
                 cache_key=spec.sample_cache_key(running[i].index),
@@ -281,7 +282,6 @@ class SpeculativeEngine:
             )
             for i in proposing
         ]
-        started = time.perf_counter()
         try:
             proposals = drafter.propose(requests, spec.sampling, deadline)
             if len(proposals) != len(proposing):

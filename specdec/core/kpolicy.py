@@ -146,6 +146,8 @@ class AdaptiveK:
         self.overhead_s = overhead_s
         # [r - 1]: the target's cost of a forward over r rows, any unit (only ratios are read).
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
+        # [r - 1]: the curve at r rows (extended past its end), for every length a round can verify
+        self._curve_points = [self._curve_at(r) for r in range(1, k_max + 2)] if self.verify_curve else []
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
         self.asked_at = [0] * (k_max + 1)  # [i]: sequences asked for a draft of at least i tokens
@@ -206,6 +208,24 @@ class AdaptiveK:
         shorter = [cost for r, cost in measured.items() if r < rows]
         return max([one * self.default_verify_factor, *shorter])
 
+    def _verify_costs(self) -> list[float]:
+        """[verify_cost(rows) for rows = 1..k_max + 1], alone with measured lengths and a curve (the
+        usual case) without a search per length: every round's choice computes them all."""
+        measured, n = self._measured(), self.k_max + 1
+        lengths, curve = sorted(measured), self._curve_points
+        shared = self.steps.n and (self._in_company() or not self.verify_count)
+        if shared or not curve or not lengths or lengths[-1] > n:
+            return [self.verify_cost(rows, measured) for rows in range(1, n + 1)]
+        costs, above = [], 0  # lengths[above]: the shortest measured length >= rows
+        for rows in range(1, n + 1):
+            while above < len(lengths) and lengths[above] < rows:
+                above += 1
+            nearest = lengths[above] if above < len(lengths) else lengths[-1]
+            if above and (above == len(lengths) or rows - lengths[above - 1] < lengths[above] - rows):
+                nearest = lengths[above - 1]  # strictly nearer below: ties go to the longer
+            costs.append(measured[rows] if nearest == rows else measured[nearest] * curve[rows - 1] / curve[nearest - 1])
+        return costs
+
     def _measured(self) -> dict[int, float]:
         return {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}
 
@@ -257,8 +277,7 @@ class AdaptiveK:
             others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
         # A round verifies 1 + its draft's length rows, and a model-free drafter's length is its own
         # (up to K): K + 1 rows are paid only as often as its drafts reach K.
-        measured = self._measured()
-        reach, costs = self.reach(), [self.verify_cost(rows, measured) for rows in range(1, self.k_max + 2)]
+        reach, costs = self.reach(), self._verify_costs()
         out, shorter, drafted = [], 0.0, 0.0  # shorter: the cost of rounds whose draft stopped before K
         for k in range(self.k_max + 1):
             verify = shorter + reach[k] * costs[k] + self.overhead_s

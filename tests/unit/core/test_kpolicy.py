@@ -320,3 +320,19 @@ def test_what_a_sequence_costs_a_step_is_not_taken_for_what_a_row_costs():
         verify_s = 0.05 + 0.035 * (others + 1) + 0.002 * rows
         policy.observe(RoundOutcome(k, k * 0.001, verify_s, k + 1, [(k, accepted)], others, rows, k + 1))
     assert all(k > 0 for k in chosen[20:])
+
+
+def test_every_lengths_cost_at_once_equals_each_lengths_cost():
+    """The per-round pass over every length (no search per length) prices as verify_cost does, ties
+    between two measured lengths included."""
+    import random
+
+    rng = random.Random(5)
+    for k_max in (1, 3, 8, 16):
+        curve = tuple(sorted(rng.uniform(5, 20) for _ in range(rng.randrange(2, 10))))
+        policy = AdaptiveK(k_max, verify_curve=curve)
+        policy.observe(RoundOutcome(2, 0.0, 1.0, 3, [(2, 2)]))  # round 0: not kept
+        for _ in range(12):
+            rows = rng.choice([1, 1, 3, min(5, k_max + 1), k_max + 1])
+            policy.observe(RoundOutcome(rows - 1, 0.0, rng.uniform(0.005, 0.02), rows, [(rows - 1, 0)]))
+            assert policy._verify_costs() == [policy.verify_cost(r) for r in range(1, k_max + 2)]
