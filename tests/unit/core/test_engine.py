@@ -15,6 +15,7 @@ from specdec.core.engine import (
     GenerationSpec,
     SpeculativeEngine,
     Stats,
+    check_laws,
     new_samples,
 )
 from specdec.core.errors import DeadlineExceeded, ServiceError, Unavailable
@@ -416,3 +417,21 @@ def test_the_k_policy_prices_a_verify_with_the_accept_reject_work_on_its_laws(mo
     _, stats, _ = _run(PointMassDrafter(lambda r: [1] * r.num_draft_tokens), FakeVerifier(_uniform_target), auto_k=True)
     assert seen and all(outcome.verify_s >= 0.02 for outcome in seen)
     assert stats.verify_time_s < 0.01 * len(seen)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -1e-3])
+def test_check_laws_refuses_nan_infinite_and_negative_entries(bad):
+    laws = np.zeros((3, 64), np.float32)
+    laws[:, 5] = 1.0
+    check_laws("target", laws)  # one-hot rows pass
+    laws[2, 9] = bad
+    with pytest.raises(ServiceError, match="NaN, infinite or negative"):
+        check_laws("target", laws)
+
+
+def test_check_laws_refuses_rows_that_do_not_sum_to_one():
+    laws = np.full((2, 64), 1 / 64, np.float32)
+    check_laws("draft", laws)
+    laws[1, 0] += 2e-4
+    with pytest.raises(ServiceError, match="do not sum to 1"):
+        check_laws("draft", laws)
