@@ -189,7 +189,7 @@ class AdaptiveK:
         """Seconds of a Verify of `rows` rows per sequence: alone, measured, else estimated from
         measured ones; in company, at a shared step of the others' rows + ours. measured: the mean
         seconds by rows, where the caller has them (`_measured`)."""
-        if self.steps.n and (self._in_company() or not self.verify_count):
+        if self._priced_by_steps():
             _, mean_rows, mean_s = self.steps.means()
             prior = self._prior_slope(mean_rows, mean_s)
             return self.steps.predict(round(self.others) + self.own, round(self.others_rows) + self.own * rows, prior)
@@ -213,8 +213,7 @@ class AdaptiveK:
         usual case) without a search per length: every round's choice computes them all."""
         measured, n = self._measured(), self.k_max + 1
         lengths, curve = sorted(measured), self._curve_points
-        shared = self.steps.n and (self._in_company() or not self.verify_count)
-        if shared or not curve or not lengths or lengths[-1] > n:
+        if self._priced_by_steps() or not curve or not lengths or lengths[-1] > n:
             return [self.verify_cost(rows, measured) for rows in range(1, n + 1)]
         costs, above = [], 0  # lengths[above]: the shortest measured length >= rows
         for rows in range(1, n + 1):
@@ -225,6 +224,10 @@ class AdaptiveK:
                 nearest = lengths[above - 1]  # strictly nearer below: ties go to the longer
             costs.append(measured[rows] if nearest == rows else measured[nearest] * curve[rows - 1] / curve[nearest - 1])
         return costs
+
+    def _priced_by_steps(self) -> bool:
+        """A Verify priced as its share of a batched step (`StepFit`), not by its own timings."""
+        return bool(self.steps.n) and (self._in_company() or not self.verify_count)
 
     def _measured(self) -> dict[int, float]:
         return {r: self.verify_sum[r] / self.verify_count[r] for r in self.verify_count if self.verify_count[r]}

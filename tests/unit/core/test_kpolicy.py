@@ -187,7 +187,7 @@ def test_the_target_curve_shapes_lengths_not_yet_timed():
     policy.observe(RoundOutcome(3, 0.0, 0.2, 4, [(3, 0)]))
     assert policy.verify_cost(4) == pytest.approx(0.2)
     assert policy.verify_cost(3) == pytest.approx(0.2 * 72 / 90)  # the nearest measured length
-    assert policy.verify_cost(2) == pytest.approx(0.12 * 66 / 60)  # ties go to the shorter one
+    assert policy.verify_cost(2) == pytest.approx(0.12 * 66 / 60)  # 1 row is nearer than 4
 
 
 def test_lengths_past_the_curve_cost_more_not_the_same_as_the_nearest_measured():
