@@ -47,27 +47,33 @@ before every conversation, so no config is drafted from another config's answer 
 prompt; the grpc mode cannot reset the draft service, so its suffix rows include that reuse.
 
 Per row: tokens/s (generated tokens / client-side wall time of the calls), the ratio to K = 0 of the
-same drafter, workload, temperature and mode, the ratio to Hugging Face `generate` (mode hf-generate:
+same drafter, workload, temperature and mode with its 95% interval over the runs paired by
+conversation and repeat (with two pairs or more: on this VM one pair moves +-10%, so a row of 4
+pairs cannot tell 0.93x from 1.00x, and the table says so), the ratio to Hugging Face `generate` (mode hf-generate:
 transformers' own decoding of the same target and tokens, run beside every K = 0, no K of its own),
 acceptance, tokens and drafted tokens per round, milliseconds per round in Propose calls (draft),
 Verify calls (verify) and the rest of the engine's wall time (other: accept/reject, laws, text,
 Redis; the non-model overhead), and the VM's steal share. Summary rows: per
 drafter x mode x temperature x K, the mean ratio over the input-grounded workloads and the minimum
-over all workloads; then the issue's targets, met or not.
+over all workloads; then the issue's targets, met or not, and "not resolved" where the target lies
+inside the value's interval.
 
 --json objects, by "type":
   run       target, drafters, modes, ks, temperatures, max_new_tokens, ignore_eos,
             repeats, conversations, prompts, background_load, cpus, python; drafters is
             label -> {model, lookup}
   row       drafter, mode, workload, temperature, k, background_load, conversations, requests, tokens,
-            seconds, tokens_per_s, ratio_vs_k0, ratio_vs_hf, acceptance_rate, tokens_per_round, drafted_per_round,
+            seconds, tokens_per_s, ratio_vs_k0, ratio_interval ([low, high] or null), ratio_vs_hf,
+            acceptance_rate, tokens_per_round, drafted_per_round,
             rounds, draft_ms_per_round, verify_ms_per_round, other_ms_per_round, call_ms_per_request
             (per request outside the engine: validation, tokenisation, sessions, gRPC), steal_share
             (of the VM's CPU time during the calls, what its hypervisor gave to other guests: a
             row with a large share met a slow spell of the VM; 0 without /proc/stat)
   summary   drafter, mode, temperature, k, background_load, workloads, grounded_mean_ratio,
-            grounded_target, grounded_mean_vs_hf, min_ratio, min_ratio_workload, auto_floor
-  target    check (grounded_mean | auto_floor), mode, temperature, target, value, met, drafter, k, workload
+            grounded_target, grounded_mean_vs_hf, min_ratio, min_ratio_workload, min_ratio_interval,
+            auto_floor
+  target    check (grounded_mean | auto_floor), mode, temperature, target, value, met, interval, resolved
+            (false: the target lies inside the value's interval), drafter, k, workload
   pipeline  (both modes) drafter, temperature, k, in_process_vs_grpc, ms_per_round
 """
 
@@ -76,7 +82,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -366,10 +374,14 @@ class Tally:
     draft_s: float = 0.0
     verify_s: float = 0.0
     steal_s: float = 0.0  # CPU seconds the hypervisor took from this VM during the calls
+    # Per run (a conversation's calls at one repeat): (run key, tokens, seconds), so a K's runs pair
+    # with K = 0's runs of the same conversation and repeat (`paired_interval`).
+    runs: list = field(default_factory=list)
 
-    def add(self, calls: list[Call], steal_s: float = 0.0) -> None:
+    def add(self, calls: list[Call], steal_s: float = 0.0, run: tuple = ()) -> None:
         self.conversations += 1
         self.steal_s += steal_s
+        self.runs.append((run, sum(c.stats.generated_tokens for c in calls), sum(c.seconds for c in calls)))
         for call in calls:
             s = call.stats
             self.requests += 1
@@ -441,7 +453,7 @@ def bench_drafter(drafter: str, runners: dict, plan: Plan) -> None:
                         calls = runner.run(conv, **kwargs)
                         stolen = hostinfo.steal_seconds() - stolen if stolen is not None else 0.0
                         key = (drafter, mode, conv.workload, temperature, k)
-                        plan.totals.setdefault(key, Tally()).add(calls, stolen)
+                        plan.totals.setdefault(key, Tally()).add(calls, stolen, run=(conv.name, rep))
                         tokens = sum(c.stats.generated_tokens for c in calls)
                         seconds = sum(c.seconds for c in calls)
                         drafted = sum(c.stats.drafted_tokens for c in calls)
@@ -465,10 +477,40 @@ def _tokens_per_s(tally: Tally | None) -> float | None:
     return tally.tokens / tally.seconds if tally and tally.seconds else None
 
 
+# Student's t at 97.5% by degrees of freedom (a two-sided 95% interval); past the table, the normal's.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+_T975 |= {12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+
+
+def _t975(df: int) -> float:
+    return _T975[max(d for d in _T975 if d <= df)] if df <= max(_T975) else 1.96
+
+
+def paired_interval(tally: Tally, base: Tally | None) -> tuple[float, float] | None:
+    """A 95% interval of the typical ratio to K = 0: the geometric mean of the runs' tokens/s over
+    K = 0's run of the same conversation and repeat (Student's t over their logs). None under two
+    pairs. What it says: whether the run-to-run noise of this machine (+-10% a pair here) leaves a
+    row's ratio distinguishable from a target; the row's own ratio is of the summed tokens and time."""
+    if base is None:
+        return None
+    base_runs = {run: tokens / seconds for run, tokens, seconds in base.runs if run and seconds and tokens}
+    logs = [
+        math.log(tokens / seconds / base_runs[run])
+        for run, tokens, seconds in tally.runs
+        if run in base_runs and seconds and tokens
+    ]
+    if len(logs) < 2:
+        return None
+    half = _t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
 def row(key: tuple, tally: Tally, base: Tally | None, background_load: int, hf: Tally | None = None) -> dict:
     drafter, mode, workload, temperature, k = key
     tps = _tokens_per_s(tally) or 0.0
     base_tps, hf_tps = _tokens_per_s(base), _tokens_per_s(hf)
+    interval = paired_interval(tally, base) if k != 0 else None
     return {
         "type": "row",
         "drafter": drafter,
@@ -483,6 +525,8 @@ def row(key: tuple, tally: Tally, base: Tally | None, background_load: int, hf: 
         "seconds": tally.seconds,
         "tokens_per_s": tps,
         "ratio_vs_k0": tps / base_tps if base_tps else None,
+        # 95% interval of the runs' ratios to K = 0's runs (`paired_interval`); None under two pairs.
+        "ratio_interval": list(interval) if interval else None,
         # Against HF `generate` on the same conversations (the hf-generate mode, when run).
         "ratio_vs_hf": tps / hf_tps if hf_tps else None,
         "acceptance_rate": tally.accepted / tally.drafted if tally.drafted else None,
@@ -552,6 +596,7 @@ def summaries(result_rows: list[dict]) -> list[dict]:
                 "grounded_mean_vs_hf": sum(vs_hf) / len(vs_hf) if vs_hf else None,
                 "min_ratio": lowest["ratio_vs_k0"],
                 "min_ratio_workload": lowest["workload"],
+                "min_ratio_interval": lowest["ratio_interval"],
                 "auto_floor": AUTO_FLOOR if k == "auto" else None,
             }
         )
@@ -568,19 +613,31 @@ def target_checks(summary_rows: list[dict]) -> list[dict]:
         if free and temperature in GROUNDED_TARGETS:
             best = max(free, key=lambda s: s["grounded_mean_ratio"])
             value, goal = best["grounded_mean_ratio"], GROUNDED_TARGETS[temperature]
-            out.append(_check("grounded_mean", mode, temperature, goal, value, best["drafter"], best["k"], None))
+            out.append(_check("grounded_mean", mode, temperature, goal, value, best["drafter"], best["k"], None, None))
         if auto := [s for s in group if s["k"] == "auto"]:
             worst = min(auto, key=lambda s: s["min_ratio"])
             workload = worst["min_ratio_workload"]
             out.append(
                 _check(
-                    "auto_floor", mode, temperature, AUTO_FLOOR, worst["min_ratio"], worst["drafter"], "auto", workload
+                    "auto_floor",
+                    mode,
+                    temperature,
+                    AUTO_FLOOR,
+                    worst["min_ratio"],
+                    worst["drafter"],
+                    "auto",
+                    workload,
+                    worst["min_ratio_interval"],
                 )
             )
     return out
 
 
-def _check(check: str, mode: str, temperature: float, goal: float, value: float, drafter: str, k, workload) -> dict:
+def _check(
+    check: str, mode: str, temperature: float, goal: float, value: float, drafter: str, k, workload, interval
+) -> dict:
+    """One target's verdict. `resolved`: whether the value's 95% interval (None: not known) leaves the
+    target on one side of it: a miss inside the interval may be the machine's noise, not a miss."""
     return {
         "type": "target",
         "check": check,
@@ -589,6 +646,8 @@ def _check(check: str, mode: str, temperature: float, goal: float, value: float,
         "target": goal,
         "value": value,
         "met": value >= goal,
+        "interval": interval,
+        "resolved": interval is None or not interval[0] <= goal <= interval[1],
         "drafter": drafter,
         "k": k,
         "workload": workload,
@@ -624,10 +683,14 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _interval(interval: list[float] | None) -> str:
+    return "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}"
+
+
 def format_rows(result_rows: list[dict]) -> list[str]:
     lines = []
     header = (
-        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'vs HF':>6} {'accept':>7} {'tok/rnd':>7}"
+        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'95% pairs':>11} {'vs HF':>6} {'accept':>7} {'tok/rnd':>7}"
         f" {'drft/rnd':>8} {'steal':>5} | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
     )
     group = None
@@ -637,6 +700,7 @@ def format_rows(result_rows: list[dict]) -> list[str]:
             lines += ["", f"drafter {r['drafter']}, {r['mode']}, T={r['temperature']:g}", header]
         lines.append(
             f"  {r['workload']:<16} {r['k']!s:<4} {r['tokens_per_s']:>7.2f} {_fmt(r['ratio_vs_k0'], '.2f', 'x'):>7} "
+            f"{_interval(r['ratio_interval']):>11} "
             f"{_fmt(r['ratio_vs_hf'], '.2f', 'x'):>6} "
             f"{_fmt(r['acceptance_rate'], '.3f'):>7} {_fmt(r['tokens_per_round'], '.2f'):>7} "
             f"{_fmt(r['drafted_per_round'], '.2f'):>8} {_fmt(r['steal_share'], '.0%'):>5} | {'':>9} "
@@ -670,9 +734,12 @@ def format_table(result: dict) -> str:
     for t in result["targets"]:
         what = "best model-free input-grounded mean" if t["check"] == "grounded_mean" else "auto K's lowest ratio"
         where = f"{t['drafter']} K={t['k']}" + (f", {t['workload']}" if t["workload"] else "")
+        verdict = "met" if t["met"] else "NOT met"
+        if not t["resolved"]:
+            verdict += f" (not resolved: the target lies in its 95% interval, {_interval(t['interval'])})"
         lines.append(
             f"  {t['mode']:<10} T={t['temperature']:g} {what}: {t['value']:.2f}x ({where}), "
-            f"target {t['target']:.2f}x: {'met' if t['met'] else 'NOT met'}"
+            f"target {t['target']:.2f}x: {verdict}"
         )
     if result["pipeline"]:
         lines += ["", "distributed pipeline's own cost (grpc vs in-process, same conversations and seeds):"]

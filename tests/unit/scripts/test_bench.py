@@ -23,13 +23,14 @@ from workloads import WORKLOADS
 
 ROW_FIELDS = {
     "type", "drafter", "mode", "workload", "temperature", "k", "background_load", "conversations", "requests",
-    "tokens", "seconds", "tokens_per_s", "ratio_vs_k0", "ratio_vs_hf", "acceptance_rate", "tokens_per_round",
-    "drafted_per_round", "rounds", "draft_ms_per_round", "verify_ms_per_round", "other_ms_per_round",
-    "call_ms_per_request", "steal_share",
+    "tokens", "seconds", "tokens_per_s", "ratio_vs_k0", "ratio_interval", "ratio_vs_hf", "acceptance_rate",
+    "tokens_per_round", "drafted_per_round", "rounds", "draft_ms_per_round", "verify_ms_per_round",
+    "other_ms_per_round", "call_ms_per_request", "steal_share",
 }  # fmt: skip
 SUMMARY_FIELDS = {
     "type", "drafter", "mode", "temperature", "k", "background_load", "workloads", "grounded_mean_ratio",
-    "grounded_target", "grounded_mean_vs_hf", "min_ratio", "min_ratio_workload", "auto_floor",
+    "grounded_target", "grounded_mean_vs_hf", "min_ratio", "min_ratio_workload", "min_ratio_interval",
+    "auto_floor",
 }  # fmt: skip
 # Prefix-stable, as the coordinator's continued-session rendering needs.
 CHAT_TEMPLATE = (
@@ -245,7 +246,7 @@ def test_every_timed_call_starts_from_the_same_prompt_cache(cache, monkeypatch):
     pipeline.generate = recorded("local")
     client = SimpleNamespace(generate=recorded("grpc"), delete_session=lambda session: None)
     monkeypatch.setattr(bench, "warm_up", lambda runners, plan: None)
-    monkeypatch.setattr(bench.Tally, "add", lambda self, calls, stolen: None)
+    monkeypatch.setattr(bench.Tally, "add", lambda self, calls, stolen, run=(): None)
     runners = {"in-process": bench.InProcessRunner(pipeline), "grpc": bench.GrpcRunner(client)}
     plan = bench.Plan([Conversation("w", "a", "hello")], [0, 2], [0.0], 4, prompt_cache=cache)
     bench.bench_drafter("ngram", runners, plan)
@@ -255,3 +256,56 @@ def test_every_timed_call_starts_from_the_same_prompt_cache(cache, monkeypatch):
 def test_warm_prompts_refuse_the_hf_generate_mode():
     with pytest.raises(SystemExit, match="computes every prompt"):
         bench.main(["--prompt-cache", "warm", "--modes", "in-process,hf-generate"])
+
+
+def _tally(runs: list[tuple[tuple, int, float]]) -> bench.Tally:
+    return bench.Tally(runs=list(runs))
+
+
+def test_the_ratio_interval_pairs_runs_by_conversation_and_repeat():
+    base = _tally([(("a", 0), 100, 1.0), (("b", 0), 100, 2.0), (("a", 1), 100, 1.25), (("c", 0), 100, 1.0)])
+    # Twice as fast as K = 0's run of the same conversation and repeat, whatever that run took.
+    twice = _tally([(("a", 0), 100, 0.5), (("b", 0), 100, 1.0), (("a", 1), 100, 0.625), (("d", 0), 100, 0.1)])
+    low, high = bench.paired_interval(twice, base)
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)  # "d" has no partner, "c" no run
+    assert bench.paired_interval(_tally([(("a", 0), 100, 0.5)]), base) is None  # one pair: no interval
+    assert bench.paired_interval(twice, None) is None
+
+
+def test_the_ratio_interval_is_students_t_over_the_log_ratios():
+    import math
+    import statistics
+
+    ratios = [0.9, 1.0, 1.1]
+    base = _tally([((str(i), 0), 100, 1.0) for i in range(3)])
+    tally = _tally([((str(i), 0), 100, 1.0 / r) for i, r in enumerate(ratios)])
+    logs = [math.log(r) for r in ratios]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)  # t at 97.5%, 2 degrees of freedom
+    low, high = bench.paired_interval(tally, base)
+    assert low == pytest.approx(math.exp(statistics.fmean(logs) - half))
+    assert high == pytest.approx(math.exp(statistics.fmean(logs) + half))
+
+
+def test_a_miss_inside_its_interval_is_not_resolved():
+    check = bench._check("auto_floor", "in-process", 0.0, 0.97, 0.9, "suffix", "auto", "summarisation", [0.8, 1.0])
+    assert not check["met"] and not check["resolved"]
+    check = bench._check("auto_floor", "in-process", 0.0, 0.97, 0.9, "suffix", "auto", "summarisation", [0.85, 0.95])
+    assert not check["met"] and check["resolved"]
+    assert bench._check("grounded_mean", "in-process", 0.0, 1.5, 1.2, "suffix", 4, None, None)["resolved"]
+    table = bench.format_table(
+        {"rows": [], "summaries": [], "pipeline": [], "targets": [{**check, "interval": [0.8, 1.0], "resolved": False}]}
+    )
+    assert "NOT met (not resolved: the target lies in its 95% interval, 0.80-1.00)" in table
+
+
+def test_repeated_runs_give_each_row_its_interval(chat_pair, tmp_path, capsys):
+    target, draft = chat_pair
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"workload": "mine", "prompt": "a b c a b c a b"}) + "\n")
+    args = ["--target", target, "--draft", draft, "--drafters", "ngram", "--ks", "1", "--temperature", "0"]
+    args += ["--prompts", str(prompts), "--max-new-tokens", "4", "--ignore-eos", "--repeats", "2"]
+    rows = [o for o in _run_json(capsys, args) if o["type"] == "row"]
+    by_k = {r["k"]: r for r in rows}
+    assert by_k[0]["ratio_interval"] is None  # K = 0 against itself
+    low, high = by_k[1]["ratio_interval"]
+    assert 0 < low <= high
