@@ -690,8 +690,8 @@ def _interval(interval: list[float] | None) -> str:
 def format_rows(result_rows: list[dict]) -> list[str]:
     lines = []
     header = (
-        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'95% pairs':>11} {'vs HF':>6} {'accept':>7} {'tok/rnd':>7}"
-        f" {'drft/rnd':>8} {'steal':>5} | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
+        f"  {'workload':<16} {'K':<4} {'tok/s':>7} {'vs K=0':>7} {'95% pairs':>11} {'vs HF':>6} {'accept':>7}"
+        f" {'tok/rnd':>7} {'drft/rnd':>8} {'steal':>5} | ms/round: {'draft':>6} {'verify':>7} {'other':>6}"
     )
     group = None
     for r in result_rows:

@@ -222,7 +222,8 @@ class AdaptiveK:
             nearest = lengths[above] if above < len(lengths) else lengths[-1]
             if above and (above == len(lengths) or rows - lengths[above - 1] < lengths[above] - rows):
                 nearest = lengths[above - 1]  # strictly nearer below: ties go to the longer
-            costs.append(measured[rows] if nearest == rows else measured[nearest] * curve[rows - 1] / curve[nearest - 1])
+            scaled = measured[nearest] * curve[rows - 1] / curve[nearest - 1]
+            costs.append(measured[rows] if nearest == rows else scaled)
         return costs
 
     def _priced_by_steps(self) -> bool:
