@@ -4,12 +4,13 @@ A batched step's laws are a few MB (8 rows of a 49,152-token vocabulary: 1.5 MB 
 much again for each temporary of the warping at T > 0), made and freed between forwards. glibc
 serves a block that large with its own mmap and unmaps it when freed (its threshold adapts to the
 largest block freed, yet a block of exactly that size is mapped again), so every step faults each
-page in afresh: the same 4 blocks of 3.2 MB, allocated and freed 50 times, took 154,650 page faults. `keep_heap_pages` sets glibc's
-mmap threshold (blocks below it come from the heap) and its trim threshold (twice that: freed
-memory at the heap's top stays mapped): 0 faults. One process warping 8 rows at T = 1 took 2.83-2.95
-ms before and 1.29-1.31 after (AMX Xeon, 2026-12-06); the target's resident memory after loading
-and 50 steps of 8 sessions was the same (1,480 against 1,481 MB). SPECDEC_MALLOC_MMAP_THRESHOLD_MB
-(default MMAP_THRESHOLD_MB; 0 leaves glibc's defaults). Other C libraries are left alone.
+page in afresh: the same 4 blocks of 3.2 MB, allocated and freed 50 times, took 154,650 page faults.
+`keep_heap_pages` sets glibc's mmap threshold (blocks below it come from the heap) and its trim
+threshold (twice that: freed memory at the heap's top stays mapped): 0 faults. One process warping 8
+rows at T = 1 took 2.83-2.95 ms before and 1.29-1.31 after (AMX Xeon, 2026-12-06); the target's
+resident memory after loading and 50 steps of 8 sessions was the same (1,480 against 1,481 MB).
+SPECDEC_MALLOC_MMAP_THRESHOLD_MB (default MMAP_THRESHOLD_MB; 0 leaves glibc's defaults). Other C
+libraries are left alone.
 """
 
 from __future__ import annotations
