@@ -33,8 +33,7 @@
 #define MAX_ROWS 4  // query rows a pass keeps
 #define MAX_ACC 16  // their accumulators, in vectors: within the register file
 #define AHEAD 32    // positions ahead whose keys / values are prefetched
-#define ROW_BLOCK 16  // a segment's rows per task
-#define LINE 64       // bytes of a cache line (prefetches)
+#define LINE 64     // bytes of a cache line (prefetches)
 
 // W vectors -> one vector of their lane sums, lane i the sum of vector BITREV[i] (so feed position
 // BITREV[i] in slot i for sums in position order). Each vector's lanes go through the same tree
@@ -223,32 +222,34 @@ static void attend_rows(const Row* rows, const Span<S>& keys, const Span<S>& val
         }
 }
 
-// The query rows of one key/value head for the segment's rows first .. first + count - 1 (its
-// `group` query heads x those rows), a few a pass, so that each key and value is read once for them.
+// Query rows a pass attends together, for heads of `vecs` vectors: as many as keep their
+// accumulators within the register file.
+static constexpr long pass_rows(long vecs) {
+    return MAX_ACC / vecs < 1 ? 1 : (MAX_ACC / vecs > MAX_ROWS ? MAX_ROWS : MAX_ACC / vecs);
+}
+
+// One pass over one key/value head: `count` (at most pass_rows(VECS)) of the segment's query rows
+// of that head, from `first` in (row, query head of the group) order, so that each key and value is
+// read once for all of them.
 template <class V, int VECS, class S>
-static void attend_head(const Segment& seg, long kv_head, long first_row, long row_count, long group, const float* q,
+static void attend_head(const Segment& seg, long kv_head, long first, long count, long group, const float* q,
                         long q_token, long q_head, float* out, long out_token, float scale, float* scores,
                         long stride) {
     const long dim = VECS * Lanes<V>::width;
     const long own = kv_head * seg.capacity * dim, prefix = kv_head * seg.prefix_capacity * dim;
     const Span<S> keys = {(const S*)seg.prefix_keys + prefix, seg.prefix_len, (const S*)seg.keys + own, dim};
     const Span<S> values = {(const S*)seg.prefix_values + prefix, seg.prefix_len, (const S*)seg.values + own, dim};
-    constexpr int chunk = MAX_ACC / VECS < 1 ? 1 : (MAX_ACC / VECS > MAX_ROWS ? MAX_ROWS : MAX_ACC / VECS);
-    const long count = (first_row + row_count) * group;
-    for (long first = first_row * group; first < count; first += chunk) {
-        const long n = count - first < chunk ? count - first : chunk;
-        Row rows[MAX_ROWS];
-        for (long r = 0; r < n; r++) {
-            const long i = (first + r) / group, h = kv_head * group + (first + r) % group;  // row i of head h
-            rows[r] = {q + (seg.start + i) * q_token + h * q_head, out + (seg.start + i) * out_token + h * dim,
-                       seg.past + i + 1};
-        }
-        switch (n) {
-            case 1: attend_rows<V, VECS, 1, S>(rows, keys, values, scale, scores, stride); break;
-            case 2: attend_rows<V, VECS, 2, S>(rows, keys, values, scale, scores, stride); break;
-            case 3: attend_rows<V, VECS, 3, S>(rows, keys, values, scale, scores, stride); break;
-            default: attend_rows<V, VECS, 4, S>(rows, keys, values, scale, scores, stride); break;
-        }
+    Row rows[MAX_ROWS];
+    for (long r = 0; r < count; r++) {
+        const long i = (first + r) / group, h = kv_head * group + (first + r) % group;  // row i of head h
+        rows[r] = {q + (seg.start + i) * q_token + h * q_head, out + (seg.start + i) * out_token + h * dim,
+                   seg.past + i + 1};
+    }
+    switch (count) {
+        case 1: attend_rows<V, VECS, 1, S>(rows, keys, values, scale, scores, stride); break;
+        case 2: attend_rows<V, VECS, 2, S>(rows, keys, values, scale, scores, stride); break;
+        case 3: attend_rows<V, VECS, 3, S>(rows, keys, values, scale, scores, stride); break;
+        default: attend_rows<V, VECS, 4, S>(rows, keys, values, scale, scores, stride); break;
     }
 }
 
@@ -271,12 +272,21 @@ template <class V, class S> static HeadFn head_fn(long vecs) {
     }
 }
 
-// The attention of one head of `dim` floats: in the widest vectors that divide it.
-template <class S> static HeadFn head_for(long dim) {
+// The floats of the widest vectors that divide a head of `dim` floats (0: none do).
+static long width_for(long dim) {
 #if defined(__AVX512F__)
-    if (dim % 16 == 0) return head_fn<v16, S>(dim / 16);
+    if (dim % 16 == 0) return 16;
 #endif
-    return dim % 8 == 0 ? head_fn<v8, S>(dim / 8) : nullptr;
+    return dim % 8 == 0 ? 8 : 0;
+}
+
+// The attention of one head of `dim` floats: in those vectors.
+template <class S> static HeadFn head_for(long dim) {
+    const long width = width_for(dim);
+#if defined(__AVX512F__)
+    if (width == 16) return head_fn<v16, S>(dim / 16);
+#endif
+    return width == 8 ? head_fn<v8, S>(dim / 8) : nullptr;
 }
 
 template <class S>
@@ -317,22 +327,24 @@ extern "C" void ragged_attention(const float* q, long q_token, long q_head, cons
     }
     const long stride = (longest + WIDEST - 1) / WIDEST * WIDEST + WIDEST;
     const long group = heads / kv_heads, out_token = heads * dim;
-    // Tasks: (segment, block of at most ROW_BLOCK of its rows) x key/value head, so that a prompt's
-    // rows spread over the threads (as one task per head, a 300-row prompt of SmolLM2's 3 heads
-    // kept one of two threads idle a third of the time). A row's result does not depend on its task.
-    long blocks = 0;
-    for (long s = 0; s < count; s++) blocks += (segments[s].rows + ROW_BLOCK - 1) / ROW_BLOCK;
-    const long tasks = blocks * kv_heads;
+    // Tasks: single passes, (segment, key/value head, pass over its rows x group): a Verify's 5 rows of
+    // SmolLM2's 3 key/value heads make 12, where one task per head kept one of two threads idle a
+    // third of the time; a prompt's rows spread over the threads alike. Which task or thread runs a
+    // pass does not change its rows' results.
+    const long per_pass = pass_rows(dim / width_for(dim));
+    long tasks = 0;
+    for (long s = 0; s < count; s++) tasks += (segments[s].rows * group + per_pass - 1) / per_pass * kv_heads;
 #pragma omp parallel
     {
         float* scores = (float*)malloc(MAX_ROWS * stride * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < tasks; t++) {
-            long s = 0, b = t / kv_heads;  // block b of all: find its segment
-            for (long in_s; b >= (in_s = (segments[s].rows + ROW_BLOCK - 1) / ROW_BLOCK); s++) b -= in_s;
-            const long row = b * ROW_BLOCK, left = segments[s].rows - row, rows = left < ROW_BLOCK ? left : ROW_BLOCK;
-            attend(segments[s], t % kv_heads, row, rows, group, q, q_token, q_head, out, out_token, scale, scores,
-                   stride);
+            long s = 0, left = t, passes;  // task `left` of segment s
+            for (; left >= (passes = (segments[s].rows * group + per_pass - 1) / per_pass) * kv_heads; s++)
+                left -= passes * kv_heads;
+            const long first = left % passes * per_pass, items = segments[s].rows * group - first;
+            attend(segments[s], left / passes, first, items < per_pass ? items : per_pass, group, q, q_token, q_head,
+                   out, out_token, scale, scores, stride);
         }
         free(scores);
     }
