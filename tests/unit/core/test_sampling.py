@@ -250,16 +250,18 @@ def test_greedy_round_accepts_while_draft_is_target_argmax():
     assert result.accepted_tokens == [1, 2] and result.recovered_token == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.0)], ids=["sampled", "greedy"])
-def test_nonfinite_logits_are_a_clear_error(sampling):
+def test_nonfinite_logits_are_a_clear_error(sampling, dtype):
+    """(Greedy checks in its argmax's pass: numpy's argmax in float32, torch's in bfloat16.)"""
     nan, inf = float("nan"), float("inf")
     # A bad value anywhere, in any row (the second row here), alone or with the other kind.
-    for bad in ([0.0, nan], [0.0, inf], [inf, nan], [nan, -inf]):
+    for bad in ([0.0, nan], [0.0, inf], [inf, nan], [nan, -inf], [nan, inf]):
         with pytest.raises(NonFiniteLogitsError, match="NaN or"):
-            warp_logits(torch.tensor([[0.0, 1.0], bad]), sampling)
+            warp_logits(torch.tensor([[0.0, 1.0], bad], dtype=dtype), sampling)
     with pytest.raises(NonFiniteLogitsError, match="all -inf"):
-        warp_logits(torch.tensor([[0.0, 1.0], [-inf, -inf]]), sampling)
-    masked = warp_logits(torch.tensor([[0.0, -inf]]), sampling)  # -inf alone is a legal mask
+        warp_logits(torch.tensor([[0.0, 1.0], [-inf, -inf]], dtype=dtype), sampling)
+    masked = warp_logits(torch.tensor([[0.0, -inf]], dtype=dtype), sampling)  # -inf alone is a legal mask
     np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0]])
 
 
