@@ -700,7 +700,7 @@ def private_stack(env: dict[str, str]) -> Iterator[str]:
     saved = {name: getattr(stack, name) for name in names}
     stack.RUN_DIR, stack.STATE = run_dir, run_dir / "stack.json"
     stack.COORDINATOR_PORT, stack.DRAFT_PORT, stack.TARGET_PORT = free_port(), free_port(), free_port()
-    stack.GATEWAY_PORT = free_port()
+    stack.GATEWAY_PORT = 0  # chosen when the gateway starts
     try:
         with bench._environment(env), redirect_stdout(sys.stderr):  # stdout carries only results
             address = stack.up()["coordinator"]

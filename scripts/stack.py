@@ -44,6 +44,8 @@ STATE = RUN_DIR / "stack.json"
 COORDINATOR_PORT = int(os.environ.get("SPECDEC_COORDINATOR_PORT", "50051"))
 DRAFT_PORT = int(os.environ.get("SPECDEC_DRAFT_PORT", "50052"))
 TARGET_PORT = int(os.environ.get("SPECDEC_TARGET_PORT", "50053"))
+# 0: a free port chosen just before the gateway starts. Picked earlier, it stays unbound while the
+# other services load, and a port the OS hands out meanwhile (a metrics server's port 0) can take it.
 GATEWAY_PORT = int(os.environ.get("SPECDEC_GATEWAY_PORT", "8000"))
 DEMO_PROMPT = os.environ.get("SPECDEC_DEMO_PROMPT", "Explain in two sentences why the sky is blue.")
 DEFAULT_TARGET = DEFAULT_MODEL
@@ -82,20 +84,29 @@ def _wait_healthy(name: str, port: int, proc: subprocess.Popen, timeout_s: float
 
 
 def _wait_http_healthy(name: str, port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Until GET /health answers 200 (the gateway reaches a SERVING coordinator)."""
+    """Until GET /health answers the gateway's {"status": "serving"} (it reaches a SERVING coordinator).
+    The body, not just a 200: another server on the port (a Prometheus exporter answers every path)
+    must not pass for the gateway."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}; see {RUN_DIR / (name + '.log')}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
+                if response.status == 200 and _json_or_none(response.read()) == {"status": "serving"}:
                     print(f"  {name:<12} serving on http://127.0.0.1:{port}/v1 (OpenAI API)")
                     return
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{name} not healthy after {timeout_s:.0f}s; see {RUN_DIR / (name + '.log')}")
+
+
+def _json_or_none(body: bytes):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 def up() -> dict:
@@ -128,8 +139,9 @@ def up() -> dict:
             _wait_healthy(name, port, procs[name])
         env["SPECDEC_GATEWAY_COORDINATOR_ADDRESS"] = f"127.0.0.1:{COORDINATOR_PORT}"
         env.setdefault("SPECDEC_GATEWAY_MODEL_NAME", target_model)  # the id OpenAI requests name
-        procs["gateway"] = _spawn("gateway", ["-m", "gateway", "--host", "127.0.0.1", "--port", str(GATEWAY_PORT)], env)
-        _wait_http_healthy("gateway", GATEWAY_PORT, procs["gateway"])
+        gateway_port = GATEWAY_PORT or free_port()
+        procs["gateway"] = _spawn("gateway", ["-m", "gateway", "--host", "127.0.0.1", "--port", str(gateway_port)], env)
+        _wait_http_healthy("gateway", gateway_port, procs["gateway"])
     except BaseException:
         for proc in procs.values():
             _stop_pid(proc.pid)
@@ -139,7 +151,7 @@ def up() -> dict:
         "pids": pids,
         "redis_url": redis_url,
         "coordinator": f"127.0.0.1:{COORDINATOR_PORT}",
-        "gateway": f"http://127.0.0.1:{GATEWAY_PORT}/v1",
+        "gateway": f"http://127.0.0.1:{gateway_port}/v1",
         "model": env["SPECDEC_GATEWAY_MODEL_NAME"],
     }
     STATE.write_text(json.dumps(state, indent=2))
