@@ -6,6 +6,7 @@ Used by `make run` / `make up` and by the tests when no $REDIS_URL or Docker is 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -16,10 +17,42 @@ from contextlib import contextmanager
 import redis
 
 
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PICKED = 10_000
+
+
 def free_port() -> int:
+    """A port free now, for a server that binds it later: below the kernel's ephemeral range where
+    there is room. A port from that range (what binding port 0 gives) can be handed meanwhile to
+    another socket that binds port 0 or connects out; in CI a metrics server's port 0 once took the
+    gateway's port in the seconds before the gateway started. Below the range only another explicit
+    choice can take it: one of thousands, at random."""
+    ephemeral_low = _ephemeral_low()
+    picker = random.SystemRandom()
+    for _ in range(50 if ephemeral_low > _LOWEST_PICKED + 1000 else 0):
+        port = picker.randrange(_LOWEST_PICKED, ephemeral_low)
+        if _bindable(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: port 0's choice
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def redis_server_binary() -> str | None:

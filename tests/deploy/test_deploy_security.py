@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from test_deploy_drift import (
 )
 
 from draft_service.settings import MODEL_FREE
+from specdec.local_redis import free_port
 
 POOLS = ("draft_service", "target_service")
 TLS_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # cert-manager's Secret layout
@@ -626,12 +626,6 @@ def test_health_probe_checks_the_coordinator_over_server_tls(certs):
         assert probe(port, "--ca", str(certs / "draft.crt")) == 1, "a CA that did not sign it: refused"
     finally:
         server.stop(None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

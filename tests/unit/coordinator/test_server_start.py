@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import logging
-import socket
 
+from specdec.local_redis import free_port
 from specdec.settings import load_settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(tiny_model_dirs, **overrides):
