@@ -37,7 +37,9 @@ def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple
     """A call's post-processing of one step: every sequence's logits warped at once."""
 
     def prepare(results: list[LogitsResult]) -> list[tuple[np.ndarray, LogitsResult]]:
-        probs = wire_laws(torch.cat([r.logits for r in results]), sampling)  # [sum(K+1), V]
+        # One sequence (a lone stream's Verify): its rows as they are, not a copy of a megabyte.
+        logits = results[0].logits if len(results) == 1 else torch.cat([r.logits for r in results])
+        probs = wire_laws(logits, sampling)  # [sum(K+1), V]
         bounds = np.cumsum([0, *(r.logits.shape[0] for r in results)])
         return [(probs[bounds[i] : bounds[i + 1]], r) for i, r in enumerate(results)]
 
