@@ -61,7 +61,7 @@ class ModelServerSettings(ServerTlsSettings):
         2.0, "BATCH_WAIT_MS", "longest a call waits from its arrival for sessions due soon to share a step (0 = never)"
     )
     batch_wait_share: float = setting(
-        0.25, "BATCH_WAIT_SHARE", "... and after a step, at most this share of a usual step's time (in [0, 1])"
+        1.0, "BATCH_WAIT_SHARE", "... and after a step, at most this share of a usual step's time (in [0, 1])"
     )
     max_batch_tokens: int = setting(
         2048, "MAX_BATCH_TOKENS", "most new tokens in one batched step (a larger single sequence runs alone)"
