@@ -102,7 +102,7 @@ def _wait_http_healthy(name: str, port: int, proc: subprocess.Popen, timeout_s: 
     raise TimeoutError(f"{name} not healthy after {timeout_s:.0f}s; see {RUN_DIR / (name + '.log')}")
 
 
-def _json_or_none(body: bytes):
+def _json_or_none(body: bytes) -> object:
     try:
         return json.loads(body)
     except ValueError:

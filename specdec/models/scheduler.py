@@ -35,6 +35,7 @@ the scheduler is tested against, and the path of direct calls (tests, tools).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -99,6 +100,10 @@ class _Call:
         self.error: BaseException | None = None
         self.deadline = deadline
         self.done = threading.Event()
+        # Its sequences' sessions as they finish: away (`CompanyForecast`) only once all have, as the
+        # caller sends its next call after the whole result (a `num_samples` call's thousands).
+        self.unfinished = count
+        self.finished_sessions: list[str] = []
 
     def finish(self, index: int, value: Any) -> None:
         self.results[index] = value
@@ -339,7 +344,7 @@ class StepScheduler:
         with self._cond:
             waiting = self._tasks or self._incoming  # both lists are oldest first
             until = self.wait_until(waiting[0].admitted_at) if waiting else None
-            if until is None:
+            if until is None or self._fills_a_step():
                 return
             slack = max(self.limits.batch_wait_s, self.limits.batch_wait_share * self._step_s)
             expected = self._company.expected(time.monotonic(), until, slack)
@@ -356,6 +361,18 @@ class StepScheduler:
                     waited = True
                     self._cond.wait(left)
             self.stats.company_waits += waited
+
+    def _fills_a_step(self) -> bool:
+        """Whether the waiting tasks' rows alone reach a step's token budget, so no company could
+        join the next step (a `num_samples` call's thousands of sequences; before, each of its
+        steps waited for sessions it had finished, due back only after the call). Rows read are a
+        lower bound of a task's new tokens (an unprimed task: at least one)."""
+        budget, rows = self.limits.max_batch_tokens, 0
+        for task in itertools.chain(self._tasks, self._incoming):
+            rows += task.item.num_last if task.item is not None else 1
+            if rows >= budget:
+                return True
+        return False
 
     def _drop_all(self) -> None:
         """Closed: every task leaves unstepped (their calls have failed already)."""
@@ -511,7 +528,13 @@ class StepScheduler:
     def _finish(self, task: _Task) -> None:
         if not task.done:
             task.done = True
-            self._company.ended(task.session_id, time.monotonic())
+            call = task.call
+            call.finished_sessions.append(task.session_id)
+            call.unfinished -= 1
+            if call.unfinished == 0:
+                now = time.monotonic()
+                for session in call.finished_sessions:
+                    self._company.ended(session, now)
             with self._cond:
                 self._queued -= 1
 

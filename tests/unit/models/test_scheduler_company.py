@@ -188,6 +188,37 @@ def test_a_wait_ends_batch_wait_after_arrival_or_a_share_of_a_step_after_the_las
         SchedulerLimits(batch_wait_share=1.5)
 
 
+def test_a_call_that_fills_a_step_waits_for_nobody():
+    """A session is due within the wait, but the waiting call's sequences alone fill a step's token
+    budget: nobody could join the step, so it runs at once (a `num_samples` call's steps used to wait
+    for the sessions they had just finished, due back only after the call)."""
+    runner = FakeRunner()
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.3, max_batch_tokens=2))
+    for _ in range(5):  # "a" comes back every ~100 ms, then its stream ends unannounced
+        s.run([("a", session_task("a"))])
+        time.sleep(0.1)
+    started = time.monotonic()  # a's next call would be due now
+    s.run([(name, session_task(name, steps=2)) for name in ("b", "c")])
+    took = time.monotonic() - started
+    assert s.stats.company_waits == 0, s.stats
+    assert took < 0.2, took  # (waiting for "a": 0.3 s)
+    assert runner.sessions()[5:] == [["b", "c"]] * 2
+
+
+def test_a_calls_own_finished_sequences_are_not_waited_for():
+    """A call's caller sends its next call only after the whole result, so a sequence that finished
+    early (a `num_samples` call's samples of unequal work) is not due while its siblings still run:
+    they step on without waiting for it."""
+    runner = FakeRunner()
+    runner.step_s = 0.02
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.2))
+    started = time.monotonic()
+    s.run([("a", session_task("a")), ("b", session_task("b", steps=3))])
+    assert s.stats.company_waits == 0, s.stats
+    assert time.monotonic() - started < 0.15
+    assert runner.sessions() == [["a", "b"], ["b"], ["b"]]
+
+
 # ---------------------------------------------------------------- close
 
 
