@@ -363,10 +363,9 @@ class StepScheduler:
             self.stats.company_waits += waited
 
     def _fills_a_step(self) -> bool:
-        """Whether the waiting tasks' rows alone reach a step's token budget, so no company could
-        join the next step (a `num_samples` call's thousands of sequences; before, each of its
-        steps waited for sessions it had finished, due back only after the call). Rows read are a
-        lower bound of a task's new tokens (an unprimed task: at least one)."""
+        """Whether the waiting tasks' rows alone reach a step's token budget (a `num_samples` call
+        of thousands of sequences), so no company could join the next step. A task's rows read
+        (`num_last`; an unprimed task: one) are a lower bound of its new tokens."""
         budget, rows = self.limits.max_batch_tokens, 0
         for task in itertools.chain(self._tasks, self._incoming):
             rows += task.item.num_last if task.item is not None else 1
