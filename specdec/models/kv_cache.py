@@ -79,6 +79,11 @@ class ReservedLayer(DynamicLayer):
     _pending: int | None = None
     _keys: torch.Tensor | None = None
     _values: torch.Tensor | None = None
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+    # (key address, value address, capacity, dtype) of the buffers above, kept with them: what
+    # `reserve` returns on every step, without asking the tensors again.
+    _reserved: tuple[int, int, int, torch.dtype] | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -123,6 +128,7 @@ class ReservedLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        self._reserved = None
 
     def _views_buffers(self) -> bool:
         """Whether keys/values are still prefixes of the buffers (a crop keeps them so; a
@@ -152,6 +158,8 @@ class ReservedLayer(DynamicLayer):
             keys[:, :, :length].copy_(self.keys)
             values[:, :, :length].copy_(self.values)
         self._key_buffer, self._value_buffer = keys, values
+        # Only one sequence's buffers are what the kernel reads (`reserve` refuses the others).
+        self._reserved = (keys.data_ptr(), values.data_ptr(), capacity, keys.dtype) if batch == 1 else None
 
     def reserve(self, rows: int, like: torch.Tensor) -> tuple[int, int, int]:
         """Room for `rows` more own positions, to be written straight into the buffers (the compiled
@@ -159,18 +167,24 @@ class ReservedLayer(DynamicLayer):
         head dim] of the dtype the buffers must have (`cache_dtype`). Returns (key buffer
         address, value buffer address, capacity in positions); each buffer is [kv heads, capacity,
         head dim], contiguous."""
-        if not self.is_initialized:
-            self.lazy_initialization(like, like)
-        length = self.own_length()
-        self._reserve(length, length + rows, like, like)
-        keys, values = self._key_buffer, self._value_buffer
-        if keys.shape[0] != 1:  # (contiguous: only `_reserve` makes buffers, whole)
-            raise ValueError(f"a cache buffer of shape {tuple(keys.shape)} is not one sequence")
-        return keys.data_ptr(), values.data_ptr(), keys.shape[-2]
+        pending, reserved = self._pending, self._reserved
+        # A decode's usual case in one check (a step reserves every layer of every session: 240
+        # calls at 8 sessions): `extend` counted the last step's rows in these very buffers, and
+        # they have room.
+        if pending is None or reserved is None or pending + rows > reserved[2] or reserved[3] != like.dtype:
+            if not self.is_initialized:
+                self.lazy_initialization(like, like)
+            length = self.own_length()
+            self._reserve(length, length + rows, like, like)
+            if self._key_buffer.shape[0] != 1:  # (contiguous: only `_reserve` makes buffers, whole)
+                raise ValueError(f"a cache buffer of shape {tuple(self._key_buffer.shape)} is not one sequence")
+            reserved = self._reserved
+        return reserved[:3]
 
     def extend(self, rows: int) -> None:
         """Counts `rows` positions written into the buffers after the own ones (`reserve`)."""
-        self._pending = self.own_length() + rows  # the views: `_settle`, when they are read
+        pending = self._pending  # (own_length's first case, inline: called per layer per session each step)
+        self._pending = (self.own_length() if pending is None else pending) + rows  # the views: `_settle`, when read
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.prefix_keys is not None:
@@ -219,7 +233,7 @@ class ReservedLayer(DynamicLayer):
         keys, values = self.keys, self.values
         self.prefix_keys, self.prefix_values = keys[:, :, :n].clone(), values[:, :, :n].clone()
         self.prefix_root = root
-        self._key_buffer = self._value_buffer = None
+        self._key_buffer = self._value_buffer = self._reserved = None
         self.keys, self.values = keys[:, :, :0].clone(), values[:, :, :0].clone()  # not views: the old buffer goes
         if keys.shape[-2] > n:
             self.append(keys[:, :, n:], values[:, :, n:])
@@ -229,7 +243,7 @@ class ReservedLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._pending = None
-        self._key_buffer = self._value_buffer = None
+        self._key_buffer = self._value_buffer = self._reserved = None
         self.drop_prefix()
         super().reset()
 

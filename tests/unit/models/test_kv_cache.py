@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from specdec.models.kv_cache import GROWTH_MIN, ReservedLayer, new_cache
+from specdec.models.kv_cache import GROWTH_MIN, ReservedLayer, SharedRoot, new_cache
 
 
 def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,3 +175,38 @@ def test_a_float16_cache_rounds_what_any_path_writes_and_its_forks_and_copies_st
     assert fork.layers[0].keys.dtype == torch.float16 and torch.equal(fork.layers[0].keys, more_k.half())
     assert torch.equal(copied.layers[1].keys, keys[:, :, :35].half())
     assert storage_dtype(new_cache(config)) is None  # by default: what the model computes
+
+
+def _buffers_of(layer: ReservedLayer) -> tuple[int, int, int]:
+    return layer._key_buffer.data_ptr(), layer._value_buffer.data_ptr(), layer._key_buffer.shape[-2]
+
+
+def test_reserve_always_returns_the_current_buffers_addresses_and_room():
+    """The kernel writes where `reserve` says: its quick answer for a step after a step must be the
+    buffers the layer holds then, through growth, rollbacks, a new dtype, a shared prefix and reset."""
+    layer = ReservedLayer()
+    like, like16 = torch.empty(1, 2, 0, 4), torch.empty(1, 2, 0, 4, dtype=torch.float16)
+    steps = [("reserve", 3), ("reserve", 1), ("reserve", GROWTH_MIN), ("crop", -2), ("reserve", 2)]
+    steps += [("half", 1), ("reserve", 1), ("share", 4), ("reserve", 1), ("reset", 0), ("reserve", 2)]
+    for op, n in steps:
+        if op == "crop":
+            layer.crop(n)
+        elif op == "share":
+            layer.share_first(n, SharedRoot(n))
+        elif op == "reset":
+            layer.reset()
+        else:
+            asked = like16 if op == "half" else like
+            got = layer.reserve(n, asked)
+            assert got == _buffers_of(layer) and layer._key_buffer.dtype == asked.dtype
+            assert layer.own_length() + n <= got[2]  # room for the rows the kernel writes
+            layer.extend(n)
+
+
+def test_reserve_refuses_a_batch_of_sequences_even_after_a_step():
+    layer = ReservedLayer()
+    keys, values = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    layer.update(keys, values)
+    layer.crop(-1)  # a rollback counted on views of the buffers
+    with pytest.raises(ValueError, match="not one sequence"):
+        layer.reserve(1, torch.empty(1, 2, 0, 4))
