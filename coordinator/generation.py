@@ -181,6 +181,7 @@ class Generator:
             num_speculative_tokens=params.num_speculative_tokens,
             auto_k=params.auto_k,
             verify_costs=tuple(pools.target.forward_cost_ms),
+            draft_costs=tuple(pools.draft.forward_cost_ms) if pools.draft is not None else (),
             stop=tuple(request.stop),
             eos_token_ids=frozenset() if request.ignore_eos else frozenset(pools.target.eos_token_ids),
             num_samples=params.num_samples,

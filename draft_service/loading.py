@@ -34,6 +34,9 @@ def load_draft(settings: DraftSettings, tokenizer=None) -> ServedDraft:
     info = type(model.info)()
     info.CopyFrom(model.info)
     info.model_id = f"{model.info.model_id}+{settings.lookup}"
+    # Its Proposes cost a lookup wherever the lookup matches: the model's curve is not their cost
+    # (the coordinator's auto K would take it for every call's), so it learns them as it goes.
+    del info.forward_cost_ms[:]
     return ServedDraft(HybridDrafter(lookup, model.drafter), info, model.runner)
 
 

@@ -51,7 +51,10 @@ def tiny_loaded(tiny_model_dirs):
     from specdec.settings import load_settings
     from target_service.settings import TargetSettings
 
-    draft = load_model(load_settings(DraftSettings, [], {}, model=tiny_model_dirs["draft"]), "draft")
+    # No start-up curve: whether auto K drafts at all with these must not hang on how two ~1 ms
+    # forwards happened to time (kpolicy.MIN_CEILING); the law tests count on it drafting.
+    draft_settings = load_settings(DraftSettings, [], {}, model=tiny_model_dirs["draft"], calibrate_max_rows=0)
+    draft = load_model(draft_settings, "draft")
     target = load_model(load_settings(TargetSettings, [], {}, model=tiny_model_dirs["target"]), "target")
     return {"draft": draft, "target": target}
 

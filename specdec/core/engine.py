@@ -70,6 +70,9 @@ class GenerationSpec:
     # [r - 1]: the target's cost of a forward over r rows (its ModelInfo.forward_cost_ms): how
     # auto K estimates Verify lengths it has not timed yet.
     verify_costs: tuple[float, ...] = ()
+    # [r - 1]: the draft's own forward costs (its forward_cost_ms; () for a model-free draft): auto
+    # K drafts nothing where the two curves say no draft could pay.
+    draft_costs: tuple[float, ...] = ()
 
     def sample_cache_key(self, index: int) -> str:
         """The model services' KV-cache key of sample `index`: each of several samples has its own
@@ -220,12 +223,17 @@ class SpeculativeEngine:
 
         `first_round`: the index of the first round's randomness; an interrupted generation resumed
         from its saved samples at the round where it stopped continues the same seeded stream."""
-        drafter, verifier = self.drafter, self.verifier
-        if spec.draft_needs_hidden and spec.num_speculative_tokens > 0:
-            drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
         # One policy for the samples of this run: it reads only rounds already played.
         k_max = spec.num_speculative_tokens
-        policy = AdaptiveK(k_max, verify_curve=spec.verify_costs) if spec.auto_k else FixedK(k_max)
+        policy = (
+            AdaptiveK(k_max, verify_curve=spec.verify_costs, draft_curve=spec.draft_costs)
+            if spec.auto_k
+            else FixedK(k_max)
+        )
+        drafter, verifier = self.drafter, self.verifier
+        if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all:
+            # (A policy that never drafts would only make every Verify return hidden states.)
+            drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
         round_index = first_round
         while running := [s for s in samples if s.running]:
             k = policy.choose()

@@ -59,6 +59,15 @@ OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: stre
 # not the others' usual step, and no K of this request changes it: such rounds teach nothing.
 PREFILL_ROWS_PER_SEQUENCE = 17
 MIN_STEP_SHARE = 0.2  # a step never costs less than this share of the measured ones' mean
+# A draft pays for a request only where drafts accepted every time would gain more than this over
+# K = 0, by the two services' start-up curves: below it, real acceptance (~0.4 for a distilled
+# draft) and each call's own costs (the draft's prefill of the prompt: ~100 ms for a 2-layer
+# draft of SmolLM2 on 2 CPU cores) lose more than drafting can win.
+MIN_CEILING = 1.1
+# ... judged only on a draft forward of at least this many ms (the curves' unit): below it a forward's
+# time is mostly Python dispatch and noise (a tiny test model's: ~1 ms), not what a draft step
+# costs against a target step.
+MIN_JUDGED_DRAFT_MS = 2.0
 
 
 class StepFit:
@@ -104,6 +113,8 @@ class StepFit:
 class FixedK:
     """The K a request asked for, every round."""
 
+    drafts_at_all = True
+
     def __init__(self, k: int):
         self.k = k
 
@@ -120,6 +131,11 @@ class AdaptiveK:
     Round 0 drafts `start_k` (its timings include the prefill and are not kept); round 1 drafts
     nothing, to measure a 1-row Verify; later rounds take the best K under the model. After
     `probe_every` rounds at K = 0 it drafts 1 once, so a request can leave K = 0 again.
+
+    `draft_curve`: the draft's own forward costs (its ModelInfo.forward_cost_ms, same unit as
+    `verify_curve`; empty for a model-free draft, whose call costs next to nothing). Where the two
+    curves say drafting cannot gain MIN_CEILING even if every draft were accepted, every round is
+    K = 0 and the draft is never called (`drafts_at_all`).
     """
 
     def __init__(
@@ -133,6 +149,7 @@ class AdaptiveK:
         default_draft_ratio: float = 0.1,
         overhead_s: float = 0.0,
         verify_curve: Sequence[float] = (),
+        draft_curve: Sequence[float] = (),
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -148,6 +165,7 @@ class AdaptiveK:
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         # [r - 1]: the curve at r rows (extended past its end), for every length a round can verify
         self._curve_points = [self._curve_at(r) for r in range(1, k_max + 2)] if self.verify_curve else []
+        self.drafts_at_all = self.ceiling(draft_curve) >= MIN_CEILING
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
         self.asked_at = [0] * (k_max + 1)  # [i]: sequences asked for a draft of at least i tokens
@@ -243,6 +261,18 @@ class AdaptiveK:
         r = max(2, round(rows))
         return seconds * (self._curve_at(r + 1) - self._curve_at(r - 1)) / 2 / self._curve_at(r)
 
+    def ceiling(self, draft_curve: Sequence[float]) -> float:
+        """The most drafting could multiply tokens/s by, every draft accepted: max over K of
+        (K + 1) v(1) / (K d(1) + v(K + 1)), v the target's curve and d the draft's (a draft step
+        costs at least its 1-row forward). inf where either curve is missing, or the draft's forward
+        is too short to judge by (MIN_JUDGED_DRAFT_MS)."""
+        if not self._curve_points or not draft_curve or not all(c > 0 for c in draft_curve):
+            return float("inf")
+        if draft_curve[0] < MIN_JUDGED_DRAFT_MS:
+            return float("inf")
+        one, step = self._curve_points[0], draft_curve[0]
+        return max(((k + 1) * one / (k * step + self._curve_points[k]) for k in range(1, self.k_max + 1)), default=0.0)
+
     def _curve_at(self, rows: int) -> float:
         curve, n = self.verify_curve, len(self.verify_curve)
         if rows <= n:
@@ -296,6 +326,8 @@ class AdaptiveK:
     # ------------------------------------------------------------ the policy
 
     def choose(self) -> int:
+        if not self.drafts_at_all:
+            return 0
         if self.rounds == 0:
             return self.start_k
         if self.rounds == 1 or self.k_max == 0:

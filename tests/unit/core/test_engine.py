@@ -321,6 +321,27 @@ def test_the_hidden_state_relay_falls_back_too():
     assert stats.draft_fallback_rounds == len(events) - 2  # not round 0 (no rows yet) nor the last (no room)
 
 
+def test_auto_k_never_calls_a_draft_as_dear_as_the_target_nor_asks_for_hidden_states():
+    """Curves (target, draft) by which no draft could pay: every round is K = 0 (the output is the
+    K = 0 run's), the draft is never called and no Verify asks for hidden states."""
+    asked_hidden = []
+
+    class RecordingVerifier(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            asked_hidden.extend(r.hidden_from for r in requests)
+            return super().verify(requests, sampling, deadline)
+
+    drafter = FailingDrafter(AssertionError("the draft was called"))
+    alone, _, _ = _run(None, FakeVerifier(_uniform_target), num_speculative_tokens=0)
+    curves = {"verify_costs": (5.5, 5.9, 6.0, 7.1), "draft_costs": (5.0, 7.0, 9.3)}
+    samples, stats, _ = _run(
+        drafter, RecordingVerifier(_uniform_target), auto_k=True, draft_needs_hidden=True, **curves
+    )
+    assert drafter.calls == 0 and stats.drafted_tokens == 0 and stats.draft_fallback_rounds == 0
+    assert samples[0].generated == alone[0].generated
+    assert asked_hidden and set(asked_hidden) == {None}
+
+
 @pytest.mark.parametrize(
     "make, message",
     [

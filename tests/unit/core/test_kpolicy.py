@@ -220,6 +220,37 @@ def test_a_curve_with_a_non_positive_entry_is_ignored():
     assert AdaptiveK(2, verify_curve=(0.0, 1.0)).verify_curve == ()
 
 
+TARGET_CURVE = (5.5, 5.92, 6.03, 7.12, 8.11)  # ms, rows 1..5: the int8 target on 2 cores
+
+
+def test_the_ceiling_is_the_best_speedup_with_every_draft_accepted():
+    policy = AdaptiveK(2, verify_curve=(20.0, 22.0, 24.0))
+    # K = 1: 2 x 20 / (2 + 22); K = 2: 3 x 20 / (4 + 24), the larger.
+    assert policy.ceiling((2.0,)) == pytest.approx(60 / 28)
+    assert policy.ceiling(()) == float("inf") and AdaptiveK(2).ceiling((2.0,)) == float("inf")
+
+
+def test_a_draft_forward_too_short_to_time_is_not_judged():
+    """Tiny models' forwards (~1 ms) time Python, not the models: no verdict from them."""
+    policy = AdaptiveK(4, verify_curve=(1.0, 1.0, 1.0, 1.0, 1.0), draft_curve=(1.9,))
+    assert policy.ceiling((1.9,)) == float("inf") and policy.drafts_at_all
+
+
+def test_a_draft_that_costs_about_a_target_step_is_never_called():
+    """The distilled 2-layer draft against the int8 target here: its forward ~5 ms, the target's
+    5.5 ms. Even drafts accepted every time would gain ~2%: K = 0 from the first round, no probe."""
+    policy = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(5.06, 6.97, 9.31, 7.89, 7.29))
+    assert not policy.drafts_at_all
+    chosen = _play(policy, 60, acceptance=1.0, verify=lambda rows: TARGET_CURVE[rows - 1] / 1e3, draft_per_token=0.0)
+    assert chosen == [0] * 60
+
+
+@pytest.mark.parametrize("draft_curve", [(0.5, 0.6, 0.7), ()], ids=["a-cheap-draft", "model-free"])
+def test_a_draft_that_could_pay_starts_as_before(draft_curve):
+    policy = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=draft_curve)
+    assert policy.drafts_at_all and policy.choose() == policy.start_k
+
+
 def _play_in_batch(policy: AdaptiveK, rounds: int, others: int) -> list[int]:
     """Each drafted token accepted with probability 0.6 (seeded) until the first rejection; a Verify
     forward is a step shared with `others` sequences of other requests, 20% slower per row."""

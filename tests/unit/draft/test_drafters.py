@@ -67,3 +67,17 @@ def test_an_unknown_draft_name_fails_clearly(tmp_path):
     for name in ("sufix", str(tmp_path / "missing")):
         with pytest.raises(DraftLoadError, match="is neither a model-free draft \\(ngram, suffix\\) nor a model"):
             load_draft(load_settings(DraftSettings, [], {}, model=name))
+
+
+def test_a_hybrid_reports_no_forward_curve_a_model_draft_does(tiny_model_dirs):
+    """A hybrid's Proposes mostly cost a lookup: its Info carries no curve for the coordinator's
+    auto K to price every call by (and stop drafting where the model alone could not pay)."""
+    from draft_service.loading import load_draft
+    from draft_service.settings import DraftSettings
+    from specdec.settings import load_settings
+
+    settings = {"model": tiny_model_dirs["draft"], "tokenizer": tiny_model_dirs["target"], "calibrate_max_rows": 2}
+    model = load_draft(load_settings(DraftSettings, [], {}, **settings))
+    hybrid = load_draft(load_settings(DraftSettings, [], {}, lookup="suffix", **settings))
+    assert len(model.info.forward_cost_ms) == 2
+    assert hybrid.info.model_id.endswith("+suffix") and list(hybrid.info.forward_cost_ms) == []
