@@ -81,8 +81,8 @@ class ReservedLayer(DynamicLayer):
     _values: torch.Tensor | None = None
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
-    # (key address, value address, capacity, dtype) of the buffers above, kept with them: what
-    # `reserve` returns on every step, without asking the tensors again.
+    # (key address, value address, capacity, dtype) of the buffers above as `reserve` last read
+    # them: what it returns on every step, checked rather than read again (None: read them).
     _reserved: tuple[int, int, int, torch.dtype] | None = None
 
     @property
@@ -158,8 +158,7 @@ class ReservedLayer(DynamicLayer):
             keys[:, :, :length].copy_(self.keys)
             values[:, :, :length].copy_(self.values)
         self._key_buffer, self._value_buffer = keys, values
-        # Only one sequence's buffers are what the kernel reads (`reserve` refuses the others).
-        self._reserved = (keys.data_ptr(), values.data_ptr(), capacity, keys.dtype) if batch == 1 else None
+        self._reserved = None  # `reserve` reads the new buffers' addresses
 
     def reserve(self, rows: int, like: torch.Tensor) -> tuple[int, int, int]:
         """Room for `rows` more own positions, to be written straight into the buffers (the compiled
@@ -168,17 +167,26 @@ class ReservedLayer(DynamicLayer):
         address, value buffer address, capacity in positions); each buffer is [kv heads, capacity,
         head dim], contiguous."""
         pending, reserved = self._pending, self._reserved
-        # A decode's usual case in one check (a step reserves every layer of every session: 240
-        # calls at 8 sessions): `extend` counted the last step's rows in these very buffers, and
-        # they have room.
-        if pending is None or reserved is None or pending + rows > reserved[2] or reserved[3] != like.dtype:
+        # A decode's usual case in a few checks (a step reserves every layer of every session: 240
+        # calls at 8 sessions): `extend` counted the last step's rows in these very buffers, they
+        # have room, and they are still the ones the addresses were read from (a deep copy copies
+        # the addresses with new buffers).
+        if (
+            pending is None
+            or reserved is None
+            or pending + rows > reserved[2]
+            or reserved[3] != like.dtype
+            or reserved[0] != self._key_buffer.data_ptr()
+            or reserved[1] != self._value_buffer.data_ptr()
+        ):
             if not self.is_initialized:
                 self.lazy_initialization(like, like)
             length = self.own_length()
             self._reserve(length, length + rows, like, like)
-            if self._key_buffer.shape[0] != 1:  # (contiguous: only `_reserve` makes buffers, whole)
-                raise ValueError(f"a cache buffer of shape {tuple(self._key_buffer.shape)} is not one sequence")
-            reserved = self._reserved
+            keys, values = self._key_buffer, self._value_buffer
+            if keys.shape[0] != 1:  # (contiguous: only `_reserve` makes buffers, whole)
+                raise ValueError(f"a cache buffer of shape {tuple(keys.shape)} is not one sequence")
+            reserved = self._reserved = (keys.data_ptr(), values.data_ptr(), keys.shape[-2], keys.dtype)
         return reserved[:3]
 
     def extend(self, rows: int) -> None:

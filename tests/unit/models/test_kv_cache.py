@@ -203,6 +203,14 @@ def test_reserve_always_returns_the_current_buffers_addresses_and_room():
             layer.extend(n)
 
 
+def test_a_deep_copy_reserves_its_own_buffers_not_the_originals():
+    layer, like = ReservedLayer(), torch.empty(1, 2, 0, 4)
+    layer.reserve(3, like)
+    layer.extend(3)
+    clone = copy.deepcopy(layer)
+    assert clone.reserve(1, like) == _buffers_of(clone) != _buffers_of(layer)
+
+
 def test_reserve_refuses_a_batch_of_sequences_even_after_a_step():
     layer = ReservedLayer()
     keys, values = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
