@@ -63,6 +63,10 @@ class _CacheEntry:
     # Final hidden states of the first rows of token_ids ([n, H]): kept when asked for, and by a
     # target that has been asked once (`ModelRunner.keeps_hidden`) on every forward.
     hidden: torch.Tensor | None = None
+    # The buffer `hidden` is the first rows of ([capacity, H]): a call's new rows go in place, not
+    # into a copy of all of them (rows cost ~10% of a position's float16 keys/values; the room at
+    # most doubles that).
+    hidden_room: torch.Tensor | None = None
     # Positions whose keys/values are a function of the tokens alone. A draft fed its own
     # hidden state for speculative positions stores those too, but they are not reusable.
     exact_len: int | None = None
@@ -224,26 +228,46 @@ def _crop(entry: _CacheEntry, reuse: int) -> _CacheEntry | None:
     return entry
 
 
+_MIN_HIDDEN_ROOM = 256  # rows
+
+
 def _assemble_hidden(
-    stored: torch.Tensor | None, ran: torch.Tensor, reuse: int, hidden_from: int | None, keep: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(hidden states to return, rows to keep in the entry) from the stored rows and the
-    rows of positions [reuse, len) that the forward ran; `keep`: store rows though none were
-    asked for (nothing is returned then)."""
+    stored: torch.Tensor | None,
+    room: torch.Tensor | None,
+    ran: torch.Tensor,
+    reuse: int,
+    hidden_from: int | None,
+    keep: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(hidden states to return, rows to keep in the entry, the buffer those are the first rows
+    of) from the stored rows (the first rows of `room`, or a copy) and the rows of positions
+    [reuse, len) that the forward ran; `keep`: store rows though none were asked for (nothing is
+    returned then). What is returned is a copy: the room's rows past a later call's reuse change."""
     if hidden_from is None and not keep:
         # A draft fed hidden states reads only the rows it ran; nothing is kept.
-        return ran, None
-    if reuse == 0:
-        full = ran
-    elif stored is not None and stored.shape[0] >= reuse:
-        full = torch.cat([stored[:reuse], ran])
-    else:
-        full = None  # the stored rows stop short: later calls must run their positions again
-    if hidden_from is None:
-        return None, full
-    # _reusable_positions makes `full` exist whenever hidden_from < reuse.
-    hidden = full[hidden_from:] if full is not None else ran[hidden_from - reuse :]
-    return hidden, full
+        return ran, None, None
+    if reuse and (stored is None or stored.shape[0] < reuse):
+        # The stored rows stop short: later calls must run their positions again.
+        # (_reusable_positions keeps hidden_from >= reuse here.)
+        return (None if hidden_from is None else ran[hidden_from - reuse :]), None, None
+    in_room = room is not None and stored is not None and stored.data_ptr() == room.data_ptr()
+    full, room = _rows_after(stored, room if in_room else None, ran, reuse)
+    return (None if hidden_from is None else full[hidden_from:].clone()), full, room
+
+
+def _rows_after(
+    stored: torch.Tensor | None, room: torch.Tensor | None, ran: torch.Tensor, reuse: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored[:reuse] then ran, as the first rows of a buffer; that buffer): `room` where it
+    holds them (stored is its first rows), else a new one with room to grow (doubling)."""
+    n = reuse + ran.shape[0]
+    if room is None or room.shape[0] < n or room.dtype != ran.dtype:
+        grown = ran.new_empty((max(n, 2 * (0 if room is None else room.shape[0]), _MIN_HIDDEN_ROOM), ran.shape[-1]))
+        if reuse:
+            grown[:reuse] = stored[:reuse]
+        room = grown
+    room[reuse:n] = ran
+    return room[:n], room
 
 
 def _left_padded(sequences: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -422,9 +446,11 @@ class ModelRunner:
         hidden = None
         if ran is not None:
             keep = self._keeping(session_id)
-            hidden, entry.hidden = _assemble_hidden(entry.hidden, ran, reuse, hidden_from, keep)
+            hidden, entry.hidden, entry.hidden_room = _assemble_hidden(
+                entry.hidden, entry.hidden_room, ran, reuse, hidden_from, keep
+            )
         else:
-            entry.hidden = None
+            entry.hidden = entry.hidden_room = None
         if session_id:
             entry.token_ids = token_ids
             entry.exact_len = len(token_ids) if exact_len is None else exact_len

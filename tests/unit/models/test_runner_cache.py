@@ -125,6 +125,34 @@ def test_a_target_asked_for_hidden_states_once_keeps_them_for_calls_that_did_not
     _assert_reuses_with_every_row(runner, "s", [*tokens, 2, 5], len(tokens))
 
 
+def test_a_sessions_hidden_rows_grow_in_place_and_what_is_returned_is_its_own():
+    """Rounds of a decode with rollbacks: the kept rows are the cached ones then the new ones, as
+    a concatenation would give, written into one buffer (not a copy of them all every round); the
+    rows a call returns do not change when a later round writes over rows past its reuse."""
+    from specdec.models.runner import _assemble_hidden
+
+    generator = torch.Generator().manual_seed(0)
+    stored = room = None
+    reference = torch.empty(0, 4)
+    length, first_room = 0, None
+    for reuse_back, new in [(0, 5), (0, 3), (2, 4), (0, 1), (3, 2)]:  # rows rolled back, rows run
+        reuse = max(0, length - reuse_back)
+        ran = torch.randn(new, 4, generator=generator)
+        hidden, stored, room = _assemble_hidden(stored, room, ran, reuse, reuse, keep=True)
+        reference = torch.cat([reference[:reuse], ran])
+        assert torch.equal(stored, reference) and torch.equal(hidden, ran)
+        first_room = room if first_room is None else first_room
+        assert room is first_room and stored.data_ptr() == room.data_ptr()  # in place, one buffer
+        earlier, length = hidden, reuse + new
+    kept = earlier.clone()
+    _, stored, room = _assemble_hidden(stored, room, torch.zeros(2, 4), length - 2, None, keep=True)
+    assert torch.equal(earlier, kept)  # those rows were written over; what was returned was not
+    more = torch.randn(600, 4, generator=generator)  # past the room: a larger one, the rows carried over
+    _, grown, bigger = _assemble_hidden(stored, room, more, length, None, keep=True)
+    assert bigger is not room and bigger.shape[0] >= length + 600
+    assert torch.equal(grown, torch.cat([stored[:length], more]))
+
+
 def test_a_target_never_asked_for_hidden_states_keeps_none(tiny_loaded):
     model = tiny_loaded["target"].runner.model
     runner = ModelRunner(model, SessionKVCache(max_entries=4, max_tokens=10_000))
