@@ -266,9 +266,7 @@ class AdaptiveK:
         (K + 1) v(1) / (K d(1) + v(K + 1)), v the target's curve and d the draft's (a draft step
         costs at least its 1-row forward). inf where either curve is missing, or the draft's forward
         is too short to judge by (MIN_JUDGED_DRAFT_MS)."""
-        if not self._curve_points or not draft_curve or not all(c > 0 for c in draft_curve):
-            return float("inf")
-        if draft_curve[0] < MIN_JUDGED_DRAFT_MS:
+        if not self._curve_points or not draft_curve or min(draft_curve) <= 0 or draft_curve[0] < MIN_JUDGED_DRAFT_MS:
             return float("inf")
         one, step = self._curve_points[0], draft_curve[0]
         return max(((k + 1) * one / (k * step + self._curve_points[k]) for k in range(1, self.k_max + 1)), default=0.0)

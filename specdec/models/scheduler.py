@@ -102,7 +102,6 @@ class _Call:
         self.done = threading.Event()
         # Its sequences' sessions as they finish: away (`CompanyForecast`) only once all have, as the
         # caller sends its next call after the whole result (a `num_samples` call's thousands).
-        self.unfinished = count
         self.finished_sessions: list[str] = []
 
     def finish(self, index: int, value: Any) -> None:
@@ -529,8 +528,7 @@ class StepScheduler:
             task.done = True
             call = task.call
             call.finished_sessions.append(task.session_id)
-            call.unfinished -= 1
-            if call.unfinished == 0:
+            if len(call.finished_sessions) == len(call.results):
                 now = time.monotonic()
                 for session in call.finished_sessions:
                     self._company.ended(session, now)
