@@ -188,6 +188,7 @@ class Generator:
             max_context=max_context,
             max_draft_context=pools.draft.max_position_embeddings if pools.draft is not None else 0,
             draft_needs_hidden=pools.draft is not None and pools.draft.needs_target_hidden_states,
+            draft_lookup=pools.draft is not None and bool(pools.draft.lookup),
             # Without a session (in-process) the model caches still want a key per call.
             cache_key=session_id or secrets.token_hex(8),
             sample_batch_size=self.settings.sample_batch_size,

@@ -34,9 +34,10 @@ def load_draft(settings: DraftSettings, tokenizer=None) -> ServedDraft:
     info = type(model.info)()
     info.CopyFrom(model.info)
     info.model_id = f"{model.info.model_id}+{settings.lookup}"
-    # Its Proposes cost a lookup wherever the lookup matches: the model's curve is not their cost
-    # (the coordinator's auto K would take it for every call's), so it learns them as it goes.
-    del info.forward_cost_ms[:]
+    # Its Proposes cost a lookup wherever the lookup matches, its model's curve elsewhere: the
+    # coordinator's auto K learns the calls' cost as it goes, and reads the curve to decide whether
+    # the model may serve at all (DraftSequence.lookup_only).
+    info.lookup = settings.lookup
     return ServedDraft(HybridDrafter(lookup, model.drafter), info, model.runner)
 
 

@@ -52,7 +52,9 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     f"num_draft_tokens must be in [1, {self.settings.max_draft_tokens}], got {seq.num_draft_tokens}"
                 )
             validate_length(len(prefix) + seq.num_draft_tokens, info.max_position_embeddings)
-            target_hidden = self._target_hidden(seq, prefix) if info.needs_target_hidden_states else None
+            # A hybrid's lookup reads no hidden states: a lookup-only sequence needs none.
+            reads_hidden = info.needs_target_hidden_states and not (seq.lookup_only and info.lookup)
+            target_hidden = self._target_hidden(seq, prefix) if reads_hidden else None
             parsed.append(
                 DraftRequest(
                     seq.cache_key,
@@ -61,6 +63,7 @@ class DraftServicer(ModelServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     seq.seed,
                     target_hidden,
                     hidden_key=seq.hidden_states_key,
+                    lookup_only=seq.lookup_only,
                 )
             )
         # Kept only once every sequence is valid: a request refused (a miss too) stores nothing.

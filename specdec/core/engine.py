@@ -73,6 +73,9 @@ class GenerationSpec:
     # [r - 1]: the draft's own forward costs (its forward_cost_ms; () for a model-free draft): auto
     # K drafts nothing where the two curves say no draft could pay.
     draft_costs: tuple[float, ...] = ()
+    # The draft is a hybrid (ModelInfo.lookup): draft_costs are its model's, which auto K lets serve
+    # only where they can pay (DraftRequest.lookup_only).
+    draft_lookup: bool = False
 
     def sample_cache_key(self, index: int) -> str:
         """The model services' KV-cache key of sample `index`: each of several samples has its own
@@ -226,18 +229,23 @@ class SpeculativeEngine:
         # One policy for the samples of this run: it reads only rounds already played.
         k_max = spec.num_speculative_tokens
         policy = (
-            AdaptiveK(k_max, verify_curve=spec.verify_costs, draft_curve=spec.draft_costs)
+            AdaptiveK(
+                k_max, verify_curve=spec.verify_costs, draft_curve=spec.draft_costs, draft_lookup=spec.draft_lookup
+            )
             if spec.auto_k
             else FixedK(k_max)
         )
         drafter, verifier = self.drafter, self.verifier
-        if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all:
-            # (A policy that never drafts would only make every Verify return hidden states.)
+        if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all and not policy.lookup_only:
+            # (A policy that never drafts, or drafts by lookup alone, would only make every Verify
+            # return hidden states.)
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
         round_index = first_round
         while running := [s for s in samples if s.running]:
             k = policy.choose()
-            drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline)
+            drafts, draft_s = self._propose(
+                drafter, spec, running, k, round_index, stats, deadline, lookup_only=policy.lookup_only
+            )
             if drafts is None:  # the draft failed or is backing off: this round is target-only
                 k, drafts = 0, [_Draft() for _ in running]
             started = time.perf_counter()
@@ -271,9 +279,11 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
+        lookup_only: bool = False,
     ) -> tuple[list[_Draft] | None, float]:
-        """This round's drafts (at most k tokens each) and the seconds the Propose took; None for
-        the drafts when the draft pool failed or is backing off (counted in `stats`)."""
+        """This round's drafts (at most k tokens each; a hybrid's by its lookup alone with
+        `lookup_only`) and the seconds the Propose took; None for the drafts when the draft pool
+        failed or is backing off (counted in `stats`)."""
         ks = [self._num_draft_tokens(spec, s, k) for s in running]
         drafts = [_Draft() for _ in running]
         proposing = [i for i, n in enumerate(ks) if n > 0]
@@ -290,6 +300,7 @@ class SpeculativeEngine:
                 num_draft_tokens=ks[i],
                 seed=derive_seed(spec.seed, running[i].index, round_index, _DRAFT_STREAM),
                 sequence=running[i].index,
+                lookup_only=lookup_only,
             )
             for i in proposing
         ]

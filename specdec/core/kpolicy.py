@@ -114,6 +114,7 @@ class FixedK:
     """The K a request asked for, every round."""
 
     drafts_at_all = True
+    lookup_only = False  # an explicit K with a hybrid draft: its model serves where its lookup cannot
 
     def __init__(self, k: int):
         self.k = k
@@ -135,7 +136,10 @@ class AdaptiveK:
     `draft_curve`: the draft's own forward costs (its ModelInfo.forward_cost_ms, same unit as
     `verify_curve`; empty for a model-free draft, whose call costs next to nothing). Where the two
     curves say drafting cannot gain MIN_CEILING even if every draft were accepted, every round is
-    K = 0 and the draft is never called (`drafts_at_all`).
+    K = 0 and the draft is never called (`drafts_at_all`). `draft_lookup`: the draft is a hybrid, a
+    lookup that costs next to nothing before its model (`draft_curve` is the model's): it drafts
+    whatever the model costs, and where the model cannot pay it asks for the lookup alone
+    (`lookup_only`).
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class AdaptiveK:
         overhead_s: float = 0.0,
         verify_curve: Sequence[float] = (),
         draft_curve: Sequence[float] = (),
+        draft_lookup: bool = False,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -165,7 +170,9 @@ class AdaptiveK:
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         # [r - 1]: the curve at r rows (extended past its end), for every length a round can verify
         self._curve_points = [self._curve_at(r) for r in range(1, k_max + 2)] if self.verify_curve else []
-        self.drafts_at_all = self.ceiling(draft_curve) >= MIN_CEILING
+        model_pays = self.ceiling(draft_curve) >= MIN_CEILING
+        self.drafts_at_all = model_pays or draft_lookup
+        self.lookup_only = draft_lookup and not model_pays
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
         self.asked_at = [0] * (k_max + 1)  # [i]: sequences asked for a draft of at least i tokens

@@ -58,6 +58,8 @@ class DraftRequest:
     # under hidden_key from an earlier request (HiddenStatesMiss when it holds none that fit).
     hidden_offset: int = 0
     hidden_key: str = ""  # names the caller's copy of the rows ("" = the draft keeps nothing)
+    # A hybrid draft proposes from its lookup alone: its model is too dear to pay (set by auto K).
+    lookup_only: bool = False
 
 
 @dataclass(frozen=True)

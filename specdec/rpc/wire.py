@@ -139,6 +139,7 @@ def propose_request(requests: list[DraftRequest], sampling: Sampling) -> draft_p
                 target_hidden_states=encode_hidden_states(r.target_hidden) if r.target_hidden is not None else None,
                 hidden_states_offset=r.hidden_offset,
                 hidden_states_key=r.hidden_key,
+                lookup_only=r.lookup_only,
             )
             for r in requests
         ],

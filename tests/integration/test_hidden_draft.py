@@ -138,15 +138,17 @@ def test_bad_hidden_state_requests_get_invalid_argument(hidden_stack):
     hidden = hidden_stack["draft"].runner.hidden_size
     with grpc.insecure_channel(stack.draft_address) as channel:
         draft = draft_pb2_grpc.DraftServiceStub(channel)
-        for states, offset, words in (
-            (None, 0, "is required"),
-            (np.zeros((1, hidden)), 0, "expected [2,"),
-            (np.full((2, hidden), np.nan), 0, "non-finite"),
-            (np.zeros((0, hidden)), 3, "hidden_states_offset must be in [0, 2]"),
-            (np.zeros((1, hidden)), -1, "hidden_states_offset must be in [0, 2]"),
+        for states, offset, words, lookup_only in (
+            (None, 0, "is required", False),
+            (None, 0, "is required", True),  # not a hybrid: the model serves whatever was asked
+            (np.zeros((1, hidden)), 0, "expected [2,", False),
+            (np.full((2, hidden), np.nan), 0, "non-finite", False),
+            (np.zeros((0, hidden)), 3, "hidden_states_offset must be in [0, 2]", False),
+            (np.zeros((1, hidden)), -1, "hidden_states_offset must be in [0, 2]", False),
         ):
             seq = draft_pb2.DraftSequence(
-                prefix_token_ids=[3, 1, 4], num_draft_tokens=2, seed=1, hidden_states_offset=offset
+                prefix_token_ids=[3, 1, 4], num_draft_tokens=2, seed=1, hidden_states_offset=offset,
+                lookup_only=lookup_only,
             )
             if states is not None:
                 seq.target_hidden_states.CopyFrom(encode_hidden_states(states))
@@ -161,6 +163,59 @@ def test_bad_hidden_state_requests_get_invalid_argument(hidden_stack):
             target.Verify(target_pb2.VerifyRequest(sequences=[seq]), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "hidden_states_from" in info.value.details()
+
+
+class _Counting:
+    """A drafter that counts the sequences it was asked for."""
+
+    def __init__(self, drafter):
+        self.drafter, self.asked = drafter, 0
+
+    def propose(self, requests, sampling, deadline):
+        self.asked += len(requests)
+        return self.drafter.propose(requests, sampling, deadline)
+
+
+def test_auto_k_serves_a_hybrid_by_its_lookup_alone_where_its_model_cannot_pay(
+    hidden_stack, tiny_loaded, tiny_model_dirs, redis_url
+):
+    """A hybrid (ngram, then this draft) whose model's forward costs 50 ms beside the target's curve:
+    through the real services, auto K asks for the lookup alone. The model is never called, its
+    Proposes carry no hidden states (the draft would refuse a plain model's), and greedy output is
+    the target's alone. An explicit K still calls the model where the lookup has nothing."""
+    from service_stack import start_stack, stop_stack
+
+    from draft_service.hybrid import HybridDrafter
+    from draft_service.ngram import NgramDrafter
+    from draft_service.served import ServedDraft, served
+    from specdec.client import build_request
+    from specdec.v1 import coordinator_pb2_grpc
+
+    assert tiny_loaded["target"].info.forward_cost_ms  # the curve the model is too dear against
+    model = served(hidden_stack["draft"])
+    counting = _Counting(model.drafter)
+    info = type(model.info)()
+    info.CopyFrom(model.info)
+    info.lookup = "ngram"
+    info.forward_cost_ms[:] = [50.0, 60.0, 70.0]
+    hybrid = ServedDraft(HybridDrafter(NgramDrafter(3, 3), counting), info, model.runner)
+    stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=hybrid)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: the lookup proposes from round 0
+    try:
+        with stack.channel() as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+            def greedy(k):
+                fields = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+                return stub.Generate(build_request(prompt, num_speculative_tokens=k, **fields), timeout=60)
+
+            alone, auto = greedy(0), greedy(None)
+            assert list(auto.completions[0].token_ids) == list(alone.completions[0].token_ids)
+            assert auto.stats.drafted_tokens > 0 and counting.asked == 0
+            greedy(3)
+            assert counting.asked > 0
+    finally:
+        stop_stack(stack)
 
 
 class _Recording:

@@ -342,6 +342,32 @@ def test_auto_k_never_calls_a_draft_as_dear_as_the_target_nor_asks_for_hidden_st
     assert asked_hidden and set(asked_hidden) == {None}
 
 
+@pytest.mark.parametrize("draft_costs, lookup_only", [((5.0, 7.0, 9.3), True), ((), False)], ids=["dear", "no-curve"])
+def test_auto_k_drafts_a_hybrid_by_its_lookup_alone_where_its_model_cannot_pay(draft_costs, lookup_only):
+    """A hybrid draft (a lookup before its model) whose model is as dear as the target: auto K still
+    drafts (the lookup costs nothing) but asks for the lookup alone, and no Verify asks for the
+    hidden states only the model reads. Without a curve the model may serve, fed hidden states."""
+    asked_hidden, asked_lookup_only = [], []
+
+    class RecordingVerifier(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            asked_hidden.extend(r.hidden_from for r in requests)
+            results = super().verify(requests, sampling, deadline)
+            rows = [len(r.prefix_token_ids) + len(r.draft_token_ids) - (r.hidden_from or 0) for r in requests]
+            hidden = [np.zeros((n, 4), np.float16) for n in rows]
+            return [VerifyResult(v.target_probs, 0, h) for v, h in zip(results, hidden, strict=True)]
+
+    def lookup(request):
+        asked_lookup_only.append(request.lookup_only)
+        return [1, 2]
+
+    curves = {"verify_costs": (5.5, 5.9, 6.0, 7.1), "draft_costs": draft_costs}
+    flags = {"auto_k": True, "draft_needs_hidden": True, "draft_lookup": True}
+    _, stats, _ = _run(PointMassDrafter(lookup), RecordingVerifier(_uniform_target), **flags, **curves)
+    assert stats.drafted_tokens > 0 and set(asked_lookup_only) == {lookup_only}
+    assert (set(asked_hidden) == {None}) == lookup_only
+
+
 @pytest.mark.parametrize(
     "make, message",
     [

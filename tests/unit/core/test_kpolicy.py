@@ -245,6 +245,16 @@ def test_a_draft_that_costs_about_a_target_step_is_never_called():
     assert chosen == [0] * 60
 
 
+def test_a_hybrid_draft_whose_model_cannot_pay_drafts_by_its_lookup_alone():
+    """Its lookup costs next to nothing: drafting goes on, its model is asked for only where it pays."""
+    dear = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(5.06, 6.97, 9.31), draft_lookup=True)
+    assert dear.drafts_at_all and dear.lookup_only and dear.choose() == dear.start_k
+    cheap = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(0.5, 0.6, 0.7), draft_lookup=True)
+    assert cheap.drafts_at_all and not cheap.lookup_only
+    assert not AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(5.06,)).lookup_only  # not a hybrid
+    assert not FixedK(3).lookup_only  # an explicit K: the hybrid as configured
+
+
 @pytest.mark.parametrize("draft_curve", [(0.5, 0.6, 0.7), ()], ids=["a-cheap-draft", "model-free"])
 def test_a_draft_that_could_pay_starts_as_before(draft_curve):
     policy = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=draft_curve)

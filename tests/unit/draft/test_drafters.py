@@ -57,6 +57,10 @@ def test_hybrid_asks_the_model_only_for_the_sequences_the_lookup_left_empty():
     model.asked.clear()
     hybrid.propose(requests[:1], Sampling(1.0), NO_DEADLINE)
     assert model.asked == []  # every sequence matched: the model is not called
+    lookup_only = [DraftRequest(r.cache_key, r.prefix_token_ids, 3, 0, lookup_only=True) for r in requests]
+    proposals = hybrid.propose(lookup_only, Sampling(1.0), NO_DEADLINE)
+    assert [p.draft_token_ids for p in proposals] == [[6, 5, 6], [], [4, 8, 4]]
+    assert model.asked == []  # asked for the lookup alone: no match is no draft
 
 
 def test_an_unknown_draft_name_fails_clearly(tmp_path):
@@ -69,9 +73,10 @@ def test_an_unknown_draft_name_fails_clearly(tmp_path):
             load_draft(load_settings(DraftSettings, [], {}, model=name))
 
 
-def test_a_hybrid_reports_no_forward_curve_a_model_draft_does(tiny_model_dirs):
-    """A hybrid's Proposes mostly cost a lookup: its Info carries no curve for the coordinator's
-    auto K to price every call by (and stop drafting where the model alone could not pay)."""
+def test_a_hybrid_reports_its_lookup_beside_its_model_curve(tiny_model_dirs):
+    """A hybrid's Proposes cost a lookup where it matches: its Info names the lookup, so that the
+    coordinator's auto K prices the model's curve for the model's part alone (and asks for the
+    lookup alone where the model cannot pay) instead of for every call."""
     from draft_service.loading import load_draft
     from draft_service.settings import DraftSettings
     from specdec.settings import load_settings
@@ -79,5 +84,6 @@ def test_a_hybrid_reports_no_forward_curve_a_model_draft_does(tiny_model_dirs):
     settings = {"model": tiny_model_dirs["draft"], "tokenizer": tiny_model_dirs["target"], "calibrate_max_rows": 2}
     model = load_draft(load_settings(DraftSettings, [], {}, **settings))
     hybrid = load_draft(load_settings(DraftSettings, [], {}, lookup="suffix", **settings))
-    assert len(model.info.forward_cost_ms) == 2
-    assert hybrid.info.model_id.endswith("+suffix") and list(hybrid.info.forward_cost_ms) == []
+    assert len(model.info.forward_cost_ms) == 2 and model.info.lookup == ""
+    assert hybrid.info.model_id.endswith("+suffix") and hybrid.info.lookup == "suffix"
+    assert len(hybrid.info.forward_cost_ms) == 2
