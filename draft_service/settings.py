@@ -28,6 +28,13 @@ class DraftSettings(ModelServerSettings):
     DEFAULT_PORT: ClassVar[int] = 50052
 
     port: int = setting(DEFAULT_PORT, "PORT", "gRPC port (0 = any free port)")
+    # A draft's numerics never reach the output law (it samples from the q it sends): int8 by default.
+    matmul_dtype: str = setting(
+        "auto",
+        "MATMUL_DTYPE",
+        "a float32 draft on CPU: auto = int8 products where the CPU has AVX-512 VNNI, the weights rounded "
+        "to 8-bit blocks (GGUF's Q8_0) first, else float32 | int8 (as auto, or an error) | bfloat16 | float32",
+    )
     metrics_port: int = setting(9102, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")
     ngram_min: int = setting(1, "NGRAM_MIN", "model=ngram: shortest suffix looked up in the prefix")
     ngram_max: int = setting(4, "NGRAM_MAX", f"model=ngram: longest suffix looked up in the prefix (<= {MAX_NGRAM})")

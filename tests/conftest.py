@@ -52,8 +52,12 @@ def tiny_loaded(tiny_model_dirs):
     from target_service.settings import TargetSettings
 
     # No start-up curve: whether auto K drafts at all with these must not hang on how two ~1 ms
-    # forwards happened to time (kpolicy.MIN_CEILING); the law tests count on it drafting.
-    draft_settings = load_settings(DraftSettings, [], {}, model=tiny_model_dirs["draft"], calibrate_max_rows=0)
+    # forwards happened to time (kpolicy.MIN_CEILING); the law tests count on it drafting. float32
+    # products (not a draft's default int8): tests compare its cached forwards with plain ones
+    # (test_int8_law serves the int8 draft).
+    draft_settings = load_settings(
+        DraftSettings, [], {}, model=tiny_model_dirs["draft"], calibrate_max_rows=0, matmul_dtype="float32"
+    )
     draft = load_model(draft_settings, "draft")
     target = load_model(load_settings(TargetSettings, [], {}, model=tiny_model_dirs["target"]), "target")
     return {"draft": draft, "target": target}

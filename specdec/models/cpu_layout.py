@@ -183,6 +183,24 @@ def use_layout_plans(
     return plans
 
 
+def round_to_q8_blocks(model: torch.nn.Module) -> int:
+    """Round the weights of `model`'s float32 CPU nn.Linears that are not 4- or 8-bit blocks already
+    to 8-bit blocks (`panels.q8_rounded`), so that int8 products serve them (a draft: its numerics
+    never reach the output law, and its forward then reads a quarter of the bytes); returns how many.
+    Before `use_layout_plans`; a weight shared with an embedding is rounded there too."""
+    rounded = 0
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if type(module) is not torch.nn.Linear or weight.dtype != torch.float32 or weight.device.type != "cpu":
+                continue
+            if module.in_features % panels.BLOCK or panels.pack_compact(weight) is not None:
+                continue
+            weight.copy_(panels.q8_rounded(weight))
+            rounded += 1
+    return rounded
+
+
 def planned_linears(model: torch.nn.Module) -> dict[tuple[int, int], list[PlannedLinear]]:
     """The model's PlannedLinears by weight shape (in_features, out_features)."""
     by_shape: dict[tuple[int, int], list[PlannedLinear]] = {}

@@ -66,15 +66,22 @@ class VocabSubsetHead(torch.nn.Module):
         if token_ids.unique().numel() != token_ids.numel():
             raise DraftArtifactError("head token ids repeat")
         self.in_features, self.out_features = int(hidden), int(vocab)
-        self.weight = torch.nn.Parameter(full_weight.detach()[token_ids].clone(), requires_grad=False)
+        # An nn.Linear of its own: a CPU service plans its layouts and int8 products as any other's.
+        self.product = torch.nn.Linear(int(hidden), token_ids.numel(), bias=False)
+        self.product.weight = torch.nn.Parameter(full_weight.detach()[token_ids].clone(), requires_grad=False)
         self.register_buffer("token_ids", token_ids, persistent=False)
         # column_of[v]: v's column in the subset, or S (a sentinel column) outside it.
         column_of = torch.full((vocab,), token_ids.numel(), dtype=torch.long)
         column_of[token_ids] = torch.arange(token_ids.numel())
         self.register_buffer("column_of", column_of, persistent=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """[S, hidden]: the target head's rows for token_ids."""
+        return self.product.weight
+
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight)
+        return self.product(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         sub = self.subset_logits(hidden)

@@ -316,6 +316,17 @@ def pack_q8(weight: torch.Tensor) -> Q8Panels | None:
     return Q8Panels(_in_panels(q.to(torch.int8)), _in_panels(d))
 
 
+def q8_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (K a multiple of 32) rounded to 8-bit blocks as GGUF's Q8_0 quantizer rounds it: per
+    32 inputs of an output, d = the block's largest |w| / 127 as a float16 and w = d * round(w / d),
+    so that `pack_q8` finds it exact. For a draft, whose numerics never reach the output law."""
+    n, k = weight.shape
+    blocks = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    levels = torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))).clamp(-128, 127)
+    return (levels * d).reshape(n, k)
+
+
 def pack_compact(weight: torch.Tensor) -> Q4Panels | Q8Panels | None:
     """The smallest exact compact form of W, if it has one."""
     return pack_q4(weight) or pack_q8(weight)

@@ -245,6 +245,7 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
 
     from specdec.models.bf16_matmul import use_bf16_forwards
     from specdec.models.calibration import plan_layouts
+    from specdec.models.cpu_layout import round_to_q8_blocks
     from specdec.models.loading import load_causal_lm
     from specdec.models.openmp_env import available_cpus
     from specdec.models.runner import SessionKVCache
@@ -276,6 +277,11 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
         matmul_dtype = "bfloat16" if block else ""
         log.info("%s decoder linears in bfloat16, rows in blocks of %d", role, block)
     int8 = int8_matmuls_wanted(settings.matmul_dtype, runner)
+    if int8 and role == "draft":
+        # A draft samples from the very q it sends: weights in 8-bit blocks change which q, never
+        # the output law, and its forward reads a quarter of the bytes.
+        rounded = runner.on_model_thread(round_to_q8_blocks, runner.model)
+        log.info("draft: %d float32 linears rounded to 8-bit blocks for int8 products", rounded)
     costs = plan_layouts(
         runner,
         settings.linear_layout,

@@ -41,8 +41,11 @@ def hidden_stack(tiny_loaded, tiny_model_dirs, redis_url, tmp_path_factory):
             param.add_(0.5 * torch.randn(param.shape, generator=generator) * (param.std() + 0.05))
     artifact = save_draft_artifact(tmp_path_factory.mktemp("hidden") / "draft", draft, tiny_model_dirs["target"], [1])
     # A fixed thread count: the compared calls below must run the same kernels bit for bit (the
-    # default measures thread counts per forward, which may differ between two calls).
-    settings = load_settings(DraftSettings, [], {}, model=str(artifact), torch_threads=available_cpus())
+    # default measures thread counts per forward, which may differ between two calls); float32
+    # products and caches, which cached and uncached proposals compute alike (a draft's default
+    # int8 products keep float16 caches).
+    fields = {"model": str(artifact), "torch_threads": available_cpus(), "matmul_dtype": "float32"}
+    settings = load_settings(DraftSettings, [], {}, **fields)
     loaded = load_model(settings, "draft")
     stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=loaded)
     channel = stack.channel()

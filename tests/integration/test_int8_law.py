@@ -1,7 +1,8 @@
-"""The law through the REAL services with int8 products (MATMUL_DTYPE=int8 on the target): a tiny
-target whose every linear is exactly 4-bit blocks, so every product rounds its rows to 8-bit blocks
-(kernels/int8.cpp) and a Verify's rows and batched sessions must still compute what one-token
-decodes compute for the coordinator's output to follow the target's law. The exact law is
+"""The law through the REAL services with int8 products (MATMUL_DTYPE=int8 on the target, a draft's
+default on the draft): a tiny target whose every linear is exactly 4-bit blocks, so every product
+rounds its rows to 8-bit blocks (kernels/int8.cpp) and a Verify's rows and batched sessions must
+still compute what one-token decodes compute for the coordinator's output to follow the target's
+law; the draft's weights are rounded to 8-bit blocks, and its q must still be what it samples from. The exact law is
 enumerated from the served (swapped) target with plain full forwards, as in test_lossless_law;
 same significance, power stated by the fit."""
 
@@ -34,6 +35,7 @@ def int8_loaded(tiny_model_dirs, tmp_path_factory):
 
     target = build_tiny_model(tmp_path_factory.mktemp("q4") / "target", 0, LOGIT_SCALE, q4_blocks=True)
     settings = load_settings(TargetSettings, [], {}, model=str(target), matmul_dtype="int8")
+    # The draft as served by default: int8 products, its weights rounded to 8-bit blocks.
     draft = load_model(load_settings(DraftSettings, [], {}, model=tiny_model_dirs["draft"]), "draft")
     return {"draft": draft, "target": load_model(settings, "target"), "target_dir": str(target)}
 
@@ -82,3 +84,27 @@ def test_auto_takes_int8_only_where_the_weights_are_blocks(tiny_model_dirs, int8
     for model, expected in ((int8_loaded["target_dir"], "int8"), (tiny_model_dirs["target"], "")):
         settings = load_settings(TargetSettings, [], {}, model=model, matmul_dtype="auto", calibrate_max_rows=0)
         assert load_model(settings, "target").info.matmul_dtype == expected
+
+
+def test_a_float32_draft_takes_int8_products_by_default_with_its_weights_in_8_bit_blocks(tiny_model_dirs):
+    """A draft's numerics never reach the output law: by default (MATMUL_DTYPE auto) its float32
+    weights are rounded to 8-bit blocks and every product is int8 (the law tests through these
+    services run such a draft); the same model as a target keeps its weights (above)."""
+    from draft_service.settings import DraftSettings
+    from specdec.models.cpu_layout import PlannedLinear
+    from specdec.models.loading import load_causal_lm
+    from specdec.rpc.model_service import load_model
+    from specdec.settings import load_settings
+
+    fields = {"model": tiny_model_dirs["draft"], "calibrate_max_rows": 0}
+    loaded = load_model(load_settings(DraftSettings, [], {}, **fields), "draft")
+    assert loaded.info.matmul_dtype == "int8"
+    linears = [m for m in loaded.runner.model.modules() if isinstance(m, PlannedLinear)]
+    assert linears and all(m.int8 for m in linears)
+    original, _ = load_causal_lm(tiny_model_dirs["draft"])
+    rounded = dict(loaded.runner.model.named_parameters())
+    for name, weight in original.named_parameters():
+        if name.endswith("proj.weight"):
+            assert not torch.equal(rounded[name], weight) and torch.allclose(rounded[name], weight, atol=0.01)
+    float32 = load_model(load_settings(DraftSettings, [], {}, **fields, matmul_dtype="float32"), "draft")
+    assert float32.info.matmul_dtype == ""

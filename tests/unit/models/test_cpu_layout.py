@@ -13,6 +13,7 @@ from specdec.models.cpu_layout import (
     drop_unused_copies,
     packing_available,
     planned_linears,
+    round_to_q8_blocks,
     use_layout_plans,
 )
 from specdec.models.layouts import LAYOUTS, LINEAR, PACKED, PANELS, TRANSPOSED, WEIGHT_MAJOR
@@ -74,6 +75,33 @@ def test_swapping_keeps_the_tied_head_tied_and_the_logits():
     torch.testing.assert_close(weight_major, before, rtol=1e-5, atol=1e-5)
     # no plan uses the transposed, packed or panels copies now
     assert drop_unused_copies(model) == 3 * (2 * 7 + 1) and drop_unused_copies(model) == 0
+
+
+def test_a_drafts_weights_round_to_8_bit_blocks_except_those_that_are_blocks_already():
+    from specdec.models import panels
+
+    model = _tiny_llama()  # hidden 16: no linear reads inputs in blocks of 32 but down (32 -> 16)
+    assert round_to_q8_blocks(model) == 2
+    downs = [layer.mlp.down_proj.weight for layer in model.model.layers]
+    assert all(panels.pack_q8(w) is not None for w in downs)
+    assert panels.pack_compact(model.model.layers[0].mlp.up_proj.weight) is None
+    assert round_to_q8_blocks(model) == 0  # blocks already
+
+
+def test_a_vocabulary_subset_head_is_planned_as_any_linear():
+    from specdec.models.draft_artifact import apply_head_subset
+
+    model = _tiny_llama()
+    apply_head_subset(model, torch.tensor([3, 5, 7]))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        use_layout_plans(model, TRANSPOSED)
+        after = model(input_ids=ids).logits
+    head = model.get_output_embeddings()
+    assert isinstance(head.product, PlannedLinear) and head.weight.shape == (3, 16)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert bool(torch.isinf(after[..., [0, 1, 2, 4, 6]]).all()) and bool(torch.isfinite(after[..., [3, 5, 7]]).all())
 
 
 def test_copies_are_dropped_only_where_no_plan_uses_them():

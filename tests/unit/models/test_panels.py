@@ -240,6 +240,21 @@ def test_only_weights_that_are_exactly_8_bit_blocks_pack_as_such():
     assert isinstance(panels.pack_compact(_q4_weight(64, 64, 2)), panels.Q4Panels)  # the smaller form first
 
 
+def test_a_weight_rounded_to_8_bit_blocks_packs_as_such_within_half_a_level():
+    torch.manual_seed(3)
+    weight = torch.randn(70, 96) * 0.05
+    weight[4, 32:64] = 0.0  # a zero block stays zero
+    rounded = panels.q8_rounded(weight)
+    compact = panels.pack_q8(rounded)
+    assert compact is not None and panels.pack_q8(weight) is None
+    d = weight.reshape(70, 3, 32).abs().amax(-1, keepdim=True) / 127  # each block's level
+    error = (rounded - weight).reshape(70, 3, 32).abs()
+    assert bool((error <= d * 0.502).all()) and bool((rounded[4, 32:64] == 0).all())
+    assert torch.equal(panels.q8_rounded(rounded), rounded)  # already blocks: unchanged
+    x = torch.randn(5, 96)
+    assert torch.equal(panels.product(x, compact, 70), panels.product(x, panels.pack(rounded), 70))
+
+
 def test_a_read_only_cache_falls_back_to_the_temporary_directory(tmp_path, monkeypatch):
     if panels.cpu_level() is None:
         pytest.skip("not an x86-64 CPU with AVX2")
