@@ -20,7 +20,7 @@ import numpy as np
 from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import InconsistentDraftError, ServiceError
 from specdec.core.hidden import HiddenStateRelay
-from specdec.core.kpolicy import AdaptiveK, FixedK, RoundOutcome
+from specdec.core.kpolicy import AdaptiveK, DraftRecord, FixedK, RoundOutcome
 from specdec.core.protocols import (
     Deadline,
     Drafter,
@@ -218,6 +218,9 @@ class SpeculativeEngine:
         self.verifier = verifier
         self.decode = decode
         self.health = health if health is not None else getattr(drafter, "health", None) or DraftHealth()
+        # What every request's rounds showed of the draft's model; greedy and sampled requests apart
+        # (a greedy draft is accepted where its argmax is the target's: another rate).
+        self.records = {True: DraftRecord(), False: DraftRecord()}
 
     def run(
         self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline, first_round: int = 0
@@ -228,19 +231,21 @@ class SpeculativeEngine:
         from its saved samples at the round where it stopped continues the same seeded stream."""
         # One policy for the samples of this run: it reads only rounds already played.
         k_max = spec.num_speculative_tokens
-        policy = (
-            AdaptiveK(
-                k_max, verify_curve=spec.verify_costs, draft_curve=spec.draft_costs, draft_lookup=spec.draft_lookup
+        policy, record = FixedK(k_max), self.records[spec.sampling.greedy]
+        if spec.auto_k:
+            policy = AdaptiveK(
+                k_max,
+                verify_curve=spec.verify_costs,
+                draft_curve=spec.draft_costs,
+                draft_lookup=spec.draft_lookup,
+                recorded=record.verdict(k_max, spec.verify_costs) if spec.draft_costs else None,
             )
-            if spec.auto_k
-            else FixedK(k_max)
-        )
         drafter, verifier = self.drafter, self.verifier
         if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all and not policy.lookup_only:
             # (A policy that never drafts, or drafts by lookup alone, would only make every Verify
             # return hidden states.)
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
-        round_index = first_round
+        round_index, outcomes = first_round, []
         while running := [s for s in samples if s.running]:
             k = policy.choose()
             drafts, draft_s = self._propose(
@@ -255,7 +260,13 @@ class SpeculativeEngine:
             verify_s = time.perf_counter() - started
             counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
             rows = 1 + max(drafted for drafted, _ in counts)
-            policy.observe(RoundOutcome(k, draft_s, verify_s, rows, counts, *step))
+            drawn = [bool(d.tokens) and not d.point_mass for d in drafts]
+            outcomes.append(RoundOutcome(k, draft_s, verify_s, rows, counts, *step, model_drawn=drawn))
+            policy.observe(outcomes[-1])
+            if spec.draft_costs and not any(s.running for s in samples):
+                # Before the last yield: a caller need not ask past it. (A model draft's curve: what
+                # the record is for.)
+                record.add(outcomes)
             yield event
             round_index += 1
 

@@ -28,14 +28,20 @@ acceptance: drafting pays only if its gain beats what its rows cost the whole st
 Verify, not the step's forward alone: on a shared machine a row also costs its laws' warping,
 transport and checks, which the forward leaves out.
 
-It reads only past rounds' outcomes and timings, so the output law stays exactly the target's:
-every round is lossless for any K fixed before it starts. No randomness: the same history gives
+Across requests, an engine's `DraftRecord` pools what a model draft's proposals yielded: where the
+record says they cannot pay, auto K never calls the model, so that each request does not pay the
+draft's prefill and probes to learn it again.
+
+It reads only past rounds' outcomes and timings (this request's, and earlier requests' through the
+record), so the output law stays exactly the target's: every round is lossless for any K fixed
+before it starts. No randomness: the same history gives
 the same choices (timings differ from run to run, so an auto-K request's tokens may too; its law
 does not).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +58,8 @@ class RoundOutcome:
     others: int = 0  # other requests' sequences in the Verify's batched forward
     step_rows: int = 0  # new rows of that whole forward, this request's included (0: not reported)
     own_rows: int = 0  # of which this request's sequences ran
+    # per sample, as drafts: whether its draft was drawn by a model (not a lookup's point masses)
+    model_drawn: Sequence[bool] = ()
 
 
 OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: streams come and go
@@ -68,6 +76,99 @@ MIN_CEILING = 1.1
 # time is mostly Python dispatch and noise (a tiny test model's: ~1 ms), not what a draft step
 # costs against a target step.
 MIN_JUDGED_DRAFT_MS = 2.0
+
+
+# DraftRecord: model-drawn positions examined across requests before the record gives a verdict (at
+# acceptance ~0.2 against the ~0.5 a draft needs here, 32 positions are 4 standard errors apart)
+MIN_RECORDED_POSITIONS = 32
+RECORD_EXPLORE_EVERY = 16  # after a "cannot pay", one request in this many learns by its own rounds
+RECORD_HALF_LIFE = 4096  # positions: past this many, every count halves (workloads change)
+MIN_RECORDED_GAIN = 1.03  # the best K's speed over K = 0's the record must show to let a model draft
+
+
+def curve_at(curve: Sequence[float], rows: int) -> float:
+    """A forward-cost curve ([r - 1]: cost of r rows) at `rows`, extended past its end by its upper
+    half's slope: past calibration, rows cost about that."""
+    n = len(curve)
+    if rows <= n:
+        return curve[rows - 1]
+    half = n // 2
+    slope = max(0.0, (curve[-1] - curve[half - 1]) / (n - half)) if n > 1 else 0.0
+    return curve[-1] + slope * (rows - n)
+
+
+class DraftRecord:
+    """What finished requests measured of a draft's model-drawn proposals, pooled per engine (a
+    coordinator): acceptance per position, the seconds a drafted token cost in its round (forward,
+    sampling, its laws) and a 1-row Verify's. A new request then need not pay again to learn that
+    drafting by the model cannot pay here: its draft's prefill of the prompt and its probes cost
+    ~10% of a 96-token answer with the distilled draft (accepted ~0.2 of the time, its forward a
+    fifth of the target's). `verdict` is False where the record's best K is under
+    MIN_RECORDED_GAIN x K = 0's speed: auto K then never calls the model (a hybrid asks its lookup
+    alone). Reading other requests' outcomes keeps the law exact (K is still fixed before each round
+    from what has been played). Lookup proposals are not recorded: they cost next to nothing and
+    their yield is the request's own text."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.offered: dict[int, float] = {}  # position (1-based) -> model-drawn drafts examined there
+        self.accepted: dict[int, float] = {}
+        self.draft_s = self.draft_tokens = 0.0  # rounds whose every draft was the model's
+        self.verify_s = self.verify_rounds = 0.0  # 1-row Verifies
+        self.asked = 0  # verdicts asked for
+
+    def add(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """A finished request's rounds (its first round's timings include prefills: not kept)."""
+        with self._lock:
+            for index, outcome in enumerate(outcomes):
+                drawn = outcome.model_drawn or [False] * len(outcome.drafts)
+                model = [d for d, by_model in zip(outcome.drafts, drawn, strict=True) if by_model]
+                for drafted, accepted in model:
+                    for i in range(1, min(drafted, accepted + 1) + 1):
+                        self.offered[i] = self.offered.get(i, 0.0) + 1
+                        self.accepted[i] = self.accepted.get(i, 0.0) + (i <= accepted)
+                if index == 0:
+                    continue
+                if model and len(model) == len(outcome.drafts):
+                    self.draft_s += outcome.draft_s
+                    self.draft_tokens += max(drafted for drafted, _ in model)
+                if outcome.rows == 1:
+                    self.verify_s += outcome.verify_s
+                    self.verify_rounds += 1
+            if sum(self.offered.values()) > RECORD_HALF_LIFE:
+                self._halve()
+
+    def _halve(self) -> None:
+        for counts in (self.offered, self.accepted):
+            for i in counts:
+                counts[i] /= 2
+        self.draft_s, self.draft_tokens = self.draft_s / 2, self.draft_tokens / 2
+        self.verify_s, self.verify_rounds = self.verify_s / 2, self.verify_rounds / 2
+
+    def verdict(self, k_max: int, verify_curve: Sequence[float] = ()) -> bool | None:
+        """Whether a model draft can pay, by the record: None before MIN_RECORDED_POSITIONS, and on
+        every RECORD_EXPLORE_EVERY-th ask after a False (that request learns by its own rounds, and
+        its outcomes renew the record)."""
+        with self._lock:
+            if self.offered.get(1, 0) < MIN_RECORDED_POSITIONS or not self.draft_tokens or not self.verify_rounds:
+                return None
+            pays = self.gain(k_max, verify_curve) >= MIN_RECORDED_GAIN
+            self.asked += 1
+            return None if not pays and self.asked % RECORD_EXPLORE_EVERY == 0 else pays
+
+    def gain(self, k_max: int, verify_curve: Sequence[float] = ()) -> float:
+        """The best K's expected tokens/s over K = 0's under the record: (1 + sum_i prod_j a_j) /
+        (K d + v(K + 1)) x v(1), v scaled along the target's curve (1.1 a row without one)."""
+        one, per_token = self.verify_s / self.verify_rounds, self.draft_s / self.draft_tokens
+        curve = verify_curve if verify_curve and all(c > 0 for c in verify_curve) else ()
+        best, expected, run = 1.0, 1.0, 1.0
+        for k in range(1, k_max + 1):
+            offered = self.offered.get(k, 0.0)
+            run *= (self.accepted.get(k, 0.0) + 0.5) / (offered + 1)  # a weak prior of 1/2
+            expected += run
+            verify = one * (curve_at(curve, k + 1) / curve[0] if curve else 1 + 0.1 * k)
+            best = max(best, expected * one / (k * per_token + verify))
+        return best
 
 
 class StepFit:
@@ -139,7 +240,8 @@ class AdaptiveK:
     K = 0 and the draft is never called (`drafts_at_all`). `draft_lookup`: the draft is a hybrid, a
     lookup that costs next to nothing before its model (`draft_curve` is the model's): it drafts
     whatever the model costs, and where the model cannot pay it asks for the lookup alone
-    (`lookup_only`).
+    (`lookup_only`). `recorded`: a `DraftRecord`'s verdict on the model from earlier requests (False:
+    it cannot pay, whatever the curves say).
     """
 
     def __init__(
@@ -155,6 +257,7 @@ class AdaptiveK:
         verify_curve: Sequence[float] = (),
         draft_curve: Sequence[float] = (),
         draft_lookup: bool = False,
+        recorded: bool | None = None,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -170,7 +273,7 @@ class AdaptiveK:
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         # [r - 1]: the curve at r rows (extended past its end), for every length a round can verify
         self._curve_points = [self._curve_at(r) for r in range(1, k_max + 2)] if self.verify_curve else []
-        model_pays = self.ceiling(draft_curve) >= MIN_CEILING
+        model_pays = self.ceiling(draft_curve) >= MIN_CEILING and recorded is not False
         self.drafts_at_all = model_pays or draft_lookup
         self.lookup_only = draft_lookup and not model_pays
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
@@ -279,12 +382,7 @@ class AdaptiveK:
         return max(((k + 1) * one / (k * step + self._curve_points[k]) for k in range(1, self.k_max + 1)), default=0.0)
 
     def _curve_at(self, rows: int) -> float:
-        curve, n = self.verify_curve, len(self.verify_curve)
-        if rows <= n:
-            return curve[rows - 1]
-        half = n // 2  # the slope of the curve's upper half: past calibration, rows cost about that
-        slope = max(0.0, (curve[-1] - curve[half - 1]) / (n - half))
-        return curve[-1] + slope * (rows - n)
+        return curve_at(self.verify_curve, rows)
 
     def draft_cost(self) -> tuple[float, float]:
         """(seconds of a Propose whatever it drafts, seconds per drafted token on top): the first

@@ -342,6 +342,45 @@ def test_auto_k_never_calls_a_draft_as_dear_as_the_target_nor_asks_for_hidden_st
     assert asked_hidden and set(asked_hidden) == {None}
 
 
+def test_auto_k_stops_calling_a_model_draft_the_engines_earlier_requests_showed_cannot_pay():
+    """Cheap by its curve, but accepted 1/8 of the time (a one-hot q against a uniform target) and
+    its calls as dear as a Verify: once the engine's record holds enough positions, an auto-K request
+    never calls it, and its output is still the K = 0 run's."""
+    from specdec.core.kpolicy import MIN_RECORDED_POSITIONS
+
+    calls = []
+
+    def draft(request):
+        calls.append(request.num_draft_tokens)
+        time.sleep(0.002)
+        return [1] * request.num_draft_tokens, np.stack([_one_hot(1)] * request.num_draft_tokens)
+
+    class SlowVerifier(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            time.sleep(0.002)
+            return super().verify(requests, sampling, deadline)
+
+    engine = SpeculativeEngine(FakeDrafter(draft), SlowVerifier(_uniform_target), _decode)
+    fields = dict(context_token_ids=[1, 2, 3], max_new_tokens=12, sampling=Sampling(1.0), seed=5)
+    curves = {"verify_costs": (2.0, 2.2, 2.4, 2.6), "draft_costs": (0.1, 0.2, 0.3)}
+    fixed = GenerationSpec(**fields, num_speculative_tokens=3, **curves)  # explicit K: drafts, recorded
+    for _ in range(MIN_RECORDED_POSITIONS):  # each request examines 3 positions or more
+        samples = new_samples(fixed)
+        events = engine.run(fixed, samples, Stats(), NO_DEADLINE)
+        while any(s.running for s in samples):  # as the coordinator: nothing asked past the last round
+            next(events)
+    assert engine.records[False].offered[1] >= MIN_RECORDED_POSITIONS
+    auto = GenerationSpec(**fields, num_speculative_tokens=3, auto_k=True, **curves)
+    calls.clear()
+    samples, stats = new_samples(auto), Stats()
+    list(engine.run(auto, samples, stats, NO_DEADLINE))
+    alone, _, _ = _run(None, SlowVerifier(_uniform_target), **fields, num_speculative_tokens=0)
+    assert calls == [] and stats.drafted_tokens == 0 and samples[0].generated == alone[0].generated
+    fresh = SpeculativeEngine(FakeDrafter(draft), SlowVerifier(_uniform_target), _decode)
+    list(fresh.run(auto, new_samples(auto), Stats(), NO_DEADLINE))
+    assert calls  # without a record, the same request drafts
+
+
 @pytest.mark.parametrize("draft_costs, lookup_only", [((5.0, 7.0, 9.3), True), ((), False)], ids=["dear", "no-curve"])
 def test_auto_k_drafts_a_hybrid_by_its_lookup_alone_where_its_model_cannot_pay(draft_costs, lookup_only):
     """A hybrid draft (a lookup before its model) whose model is as dear as the target: auto K still

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.core.kpolicy import AdaptiveK, FixedK, RoundOutcome
+from specdec.core.kpolicy import (
+    MIN_RECORDED_POSITIONS,
+    RECORD_EXPLORE_EVERY,
+    RECORD_HALF_LIFE,
+    AdaptiveK,
+    DraftRecord,
+    FixedK,
+    RoundOutcome,
+)
 
 
 def _play(policy: AdaptiveK, rounds: int, acceptance: float, verify, draft_per_token: float) -> list[int]:
@@ -377,3 +385,49 @@ def test_every_lengths_cost_at_once_equals_each_lengths_cost():
             rows = rng.choice([1, 1, 3, min(5, k_max + 1), k_max + 1])
             policy.observe(RoundOutcome(rows - 1, 0.0, rng.uniform(0.005, 0.02), rows, [(rows - 1, 0)]))
             assert policy._verify_costs() == [policy.verify_cost(r) for r in range(1, k_max + 2)]
+
+
+def _recorded_request(record: DraftRecord, acceptance: float, draft_s: float, rounds: int = 9, lookup: bool = False):
+    """A request of `rounds` rounds, each drafting 2 tokens (accepted at `acceptance`, deterministic
+    per round) in draft_s seconds, then a 1-row round; a 1-row Verify costs 6 ms, a 3-row one 7."""
+    outcomes = []
+    for i in range(rounds):
+        accepted = 2 if (i % 10) < acceptance * 10 else 0
+        outcomes.append(RoundOutcome(2, draft_s, 0.007, 3, [(2, accepted)], model_drawn=[not lookup]))
+        outcomes.append(RoundOutcome(0, 0.0, 0.006, 1, [(0, 0)], model_drawn=[False]))
+    record.add(outcomes)
+
+
+def test_the_record_says_a_poor_model_draft_cannot_pay_after_enough_positions_and_still_explores():
+    """The distilled draft here: accepted ~0.2, ~2.5 ms a drafted token in its round, a 6 ms Verify."""
+    record = DraftRecord()
+    _recorded_request(record, 0.2, 0.005)
+    assert record.verdict(4, TARGET_CURVE) is None  # 9 positions: too few to judge
+    while record.offered.get(1, 0) < MIN_RECORDED_POSITIONS:
+        _recorded_request(record, 0.2, 0.005)
+    assert record.gain(4, TARGET_CURVE) == 1.0  # no K beats K = 0
+    verdicts = [record.verdict(4, TARGET_CURVE) for _ in range(2 * RECORD_EXPLORE_EVERY)]
+    assert verdicts.count(False) == 2 * RECORD_EXPLORE_EVERY - 2 and verdicts.count(None) == 2
+    assert not AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(1.0,), recorded=False).drafts_at_all
+    hybrid = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(1.0,), draft_lookup=True, recorded=False)
+    assert hybrid.drafts_at_all and hybrid.lookup_only
+
+
+def test_the_record_lets_a_good_model_draft_draft_and_ignores_lookups():
+    good = DraftRecord()
+    while good.offered.get(1, 0) < MIN_RECORDED_POSITIONS:
+        _recorded_request(good, 0.8, 0.002)
+    assert good.gain(4, TARGET_CURVE) > 1.2 and good.verdict(4, TARGET_CURVE) is True
+    lookups = DraftRecord()
+    for _ in range(10):
+        _recorded_request(lookups, 0.0, 0.0001, lookup=True)
+    assert lookups.offered == {} and lookups.verdict(4, TARGET_CURVE) is None
+
+
+def test_the_record_halves_its_counts_past_its_half_life():
+    record = DraftRecord()
+    while sum(record.offered.values()) <= RECORD_HALF_LIFE - 40:
+        _recorded_request(record, 0.5, 0.003, rounds=20)
+    before = sum(record.offered.values())
+    _recorded_request(record, 0.5, 0.003, rounds=20)
+    assert sum(record.offered.values()) < before
