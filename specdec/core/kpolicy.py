@@ -41,9 +41,12 @@ does not).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class DraftRecord:
         self.draft_s = self.draft_tokens = 0.0  # rounds whose every draft was the model's
         self.verify_s = self.verify_rounds = 0.0  # 1-row Verifies
         self.asked = 0  # verdicts asked for
+        self.pays: bool | None = None  # the latest verdict, logged when it changes
 
     def add(self, outcomes: Sequence[RoundOutcome]) -> None:
         """A finished request's rounds (its first round's timings include prefills: not kept)."""
@@ -152,8 +156,18 @@ class DraftRecord:
         with self._lock:
             if self.offered.get(1, 0) < MIN_RECORDED_POSITIONS or not self.draft_tokens or not self.verify_rounds:
                 return None
-            pays = self.gain(k_max, verify_curve) >= MIN_RECORDED_GAIN
-            self.asked += 1
+            gain = self.gain(k_max, verify_curve)
+            pays = gain >= MIN_RECORDED_GAIN
+            if pays != self.pays:  # an operator's answer to "why does auto K not draft?"
+                log.info(
+                    "auto K: by %d recorded positions (first accepted %.2f), the model draft's best K gains "
+                    "%.2fx over K = 0: %s",
+                    self.offered[1],
+                    self.accepted.get(1, 0.0) / self.offered[1],
+                    gain,
+                    "it drafts" if pays else f"it is no longer called, but by one request in {RECORD_EXPLORE_EVERY}",
+                )
+            self.pays, self.asked = pays, self.asked + 1
             return None if not pays and self.asked % RECORD_EXPLORE_EVERY == 0 else pays
 
     def gain(self, k_max: int, verify_curve: Sequence[float] = ()) -> float:

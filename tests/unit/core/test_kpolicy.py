@@ -398,8 +398,9 @@ def _recorded_request(record: DraftRecord, acceptance: float, draft_s: float, ro
     record.add(outcomes)
 
 
-def test_the_record_says_a_poor_model_draft_cannot_pay_after_enough_positions_and_still_explores():
+def test_the_record_says_a_poor_model_draft_cannot_pay_after_enough_positions_and_still_explores(caplog):
     """The distilled draft here: accepted ~0.2, ~2.5 ms a drafted token in its round, a 6 ms Verify."""
+    caplog.set_level("INFO", logger="specdec.core.kpolicy")
     record = DraftRecord()
     _recorded_request(record, 0.2, 0.005)
     assert record.verdict(4, TARGET_CURVE) is None  # 9 positions: too few to judge
@@ -408,6 +409,7 @@ def test_the_record_says_a_poor_model_draft_cannot_pay_after_enough_positions_an
     assert record.gain(4, TARGET_CURVE) == 1.0  # no K beats K = 0
     verdicts = [record.verdict(4, TARGET_CURVE) for _ in range(2 * RECORD_EXPLORE_EVERY)]
     assert verdicts.count(False) == 2 * RECORD_EXPLORE_EVERY - 2 and verdicts.count(None) == 2
+    assert [r.message for r in caplog.records if "no longer called" in r.message] and len(caplog.records) == 1
     assert not AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(1.0,), recorded=False).drafts_at_all
     hybrid = AdaptiveK(4, verify_curve=TARGET_CURVE, draft_curve=(1.0,), draft_lookup=True, recorded=False)
     assert hybrid.drafts_at_all and hybrid.lookup_only
