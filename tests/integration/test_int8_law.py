@@ -2,9 +2,9 @@
 default on the draft): a tiny target whose every linear is exactly 4-bit blocks, so every product
 rounds its rows to 8-bit blocks (kernels/int8.cpp) and a Verify's rows and batched sessions must
 still compute what one-token decodes compute for the coordinator's output to follow the target's
-law; the draft's weights are rounded to 8-bit blocks, and its q must still be what it samples from. The exact law is
-enumerated from the served (swapped) target with plain full forwards, as in test_lossless_law;
-same significance, power stated by the fit."""
+law; the draft's weights are rounded to 8-bit blocks, and its q must still be what it samples
+from. The exact law is enumerated from the served (swapped) target with plain full forwards, as in
+test_lossless_law; same significance, power stated by the fit."""
 
 from __future__ import annotations
 
