@@ -132,6 +132,9 @@ def up() -> dict:
         env["SPECDEC_COORDINATOR_REDIS_URL"] = redis_url
         env["SPECDEC_COORDINATOR_DRAFT_ADDRESS"] = f"127.0.0.1:{DRAFT_PORT}"
         env["SPECDEC_COORDINATOR_TARGET_ADDRESS"] = f"127.0.0.1:{TARGET_PORT}"
+        # Both models share these cores: each loads and measures its forward costs alone.
+        for role in ("TARGET", "DRAFT"):
+            env.setdefault(f"SPECDEC_{role}_START_LOCK", str(RUN_DIR / "start.lock"))
         procs["target"] = _spawn("target", ["-m", "target_service", "--port", str(TARGET_PORT)], env)
         procs["draft"] = _spawn("draft", ["-m", "draft_service", "--port", str(DRAFT_PORT)], env)
         procs["coordinator"] = _spawn("coordinator", ["-m", "coordinator", "--port", str(COORDINATOR_PORT)], env)

@@ -3,11 +3,13 @@ request validation, and a server that reports SERVING once its model has loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import grpc
@@ -107,6 +109,12 @@ class ModelServerSettings(ServerTlsSettings):
     )
     calibrate_max_rows: int = setting(
         9, "CALIBRATE_MAX_ROWS", "measure forwards of 1..N new rows at start (ModelInfo.forward_cost_ms; 0 = skip)"
+    )
+    start_lock: str = setting(
+        "",
+        "START_LOCK",
+        "a file the services of one host lock while each loads and measures its model, one at a time (a curve "
+        "measured beside another's loading is the contention's: a 1 ms draft forward read 36-62 ms); '' = none",
     )
     # specdec.models.static_runner: the eager forward is launch-bound on a GPU (a draft costs ~0.9 of its target).
     compile: str = setting(
@@ -240,7 +248,41 @@ def load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     torch op: an OpenMP team of the loading thread's lives until that thread ends, and beside the
     model thread's it throttles every parallel region (`openmp_env`), so the layouts and the curve
     measured here were a throttled forward's (SmolLM2 on an AMX Xeon: 1 row 52-56 ms at start
-    against 32 ms once loaded, 4 rows 1.21x a row against 1.38x; the K policy read that curve)."""
+    against 32 ms once loaded, 4 rows 1.21x a row against 1.38x; the K policy read that curve).
+    With `start_lock` set, it waits for the other services of the host to finish theirs first."""
+    with one_start_at_a_time(settings.start_lock):
+        return _load_model(settings, role)
+
+
+@contextlib.contextmanager
+def one_start_at_a_time(path: str):
+    """Hold an exclusive lock on `path` ('' = none): services on one host load and measure their
+    models one at a time. The kernel frees it when a holder dies, so a crashed start blocks nobody."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        if not _try_lock(handle, fcntl):
+            log.info("waiting for %s: another service on this host is loading its model", path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _try_lock(handle, fcntl) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     import torch
 
     from specdec.models.bf16_matmul import use_bf16_forwards

@@ -79,3 +79,30 @@ def test_a_service_loads_its_model_on_a_thread_that_holds_no_openmp_team(tiny_mo
     finally:
         torch.set_num_threads(before)  # the count a new thread's first torch call takes, as it was
     assert seen == [1]
+
+
+def test_with_a_start_lock_a_service_loads_only_once_the_other_holder_is_done(tiny_model_dirs, tmp_path):
+    """Two services of one host measure their forward costs one at a time (a curve measured beside
+    another's start is the contention's); the lock is the kernel's, freed with its holder."""
+    import fcntl
+    import threading
+
+    from draft_service.settings import DraftSettings
+    from specdec.rpc.model_service import load_model
+    from specdec.settings import load_settings
+
+    lock = tmp_path / "run" / "start.lock"
+    fields = {"model": tiny_model_dirs["draft"], "calibrate_max_rows": 0, "start_lock": str(lock)}
+    settings = load_settings(DraftSettings, [], {}, **fields)
+    lock.parent.mkdir()
+    loaded = []
+    with open(lock, "a") as other:  # another service, loading
+        fcntl.flock(other, fcntl.LOCK_EX)
+        loader = threading.Thread(target=lambda: loaded.append(load_model(settings, "draft")))
+        loader.start()
+        loader.join(1.0)
+        assert loader.is_alive() and not loaded
+        fcntl.flock(other, fcntl.LOCK_UN)
+    loader.join(60)
+    assert loaded and loaded[0].info.role == "draft"
+    load_model(settings, "draft")  # released after each load: the next one does not wait
