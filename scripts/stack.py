@@ -170,9 +170,13 @@ def _stop_pid(pid: int, timeout_s: float = 15.0) -> None:
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-            os.waitpid(pid, os.WNOHANG)
-        except (ProcessLookupError, ChildProcessError):
+        except ProcessLookupError:
             return
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:  # our child (`run`): reaped
+                return
+        except ChildProcessError:
+            pass  # not our child (`down` after `up`): gone once kill(pid, 0) fails, ports freed
         time.sleep(0.1)
     try:
         os.killpg(pid, signal.SIGKILL)
