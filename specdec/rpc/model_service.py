@@ -114,7 +114,7 @@ class ModelServerSettings(ServerTlsSettings):
         "",
         "START_LOCK",
         "a file the services of one host lock while each loads and measures its model, one at a time (a curve "
-        "measured beside another's loading is the contention's: a 1 ms draft forward read 36-62 ms); '' = none",
+        "measured beside another's loading is the contention's: a 1 ms draft forward read 35-62 ms); '' = none",
     )
     # specdec.models.static_runner: the eager forward is launch-bound on a GPU (a draft costs ~0.9 of its target).
     compile: str = setting(
