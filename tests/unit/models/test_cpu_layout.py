@@ -97,9 +97,11 @@ def test_a_vocabulary_subset_head_is_planned_as_any_linear():
     with torch.no_grad():
         before = model(input_ids=ids).logits
         use_layout_plans(model, TRANSPOSED)
+        head = model.get_output_embeddings()
+        planned_rows = []  # the planned product runs the head's rows, not a product of its own
+        head.product.register_forward_hook(lambda module, args, out: planned_rows.append(args[0].shape[-2]))
         after = model(input_ids=ids).logits
-    head = model.get_output_embeddings()
-    assert isinstance(head.product, PlannedLinear) and head.weight.shape == (3, 16)
+    assert isinstance(head.product, PlannedLinear) and head.weight.shape == (3, 16) and planned_rows == [3]
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert bool(torch.isinf(after[..., [0, 1, 2, 4, 6]]).all()) and bool(torch.isfinite(after[..., [3, 5, 7]]).all())
 
