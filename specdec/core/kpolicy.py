@@ -96,7 +96,7 @@ def curve_at(curve: Sequence[float], rows: int) -> float:
     if rows <= n:
         return curve[rows - 1]
     half = n // 2
-    slope = max(0.0, (curve[-1] - curve[half - 1]) / (n - half)) if n > 1 else 0.0
+    slope = max(0.0, (curve[-1] - curve[half - 1]) / (n - half))
     return curve[-1] + slope * (rows - n)
 
 
