@@ -26,7 +26,7 @@ from specdec.models.sources import TokenizerText, load_tokenizer, tokenizer_fing
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.logs import REQUEST_ID_KEY, log_context, request_id_or_new
-from specdec.rpc.metrics import GenerationMetrics, observe_draft_health
+from specdec.rpc.metrics import GenerationMetrics, observe_draft_health, observe_draft_records
 from specdec.rpc.server import GrpcServer, build_grpc_server, configure_observability
 from specdec.rpc.tls import ChannelCertificateFiles, TlsFiles, redact_url
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -196,6 +196,7 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     )
     servicer.use_registry(grpc_server.registry)
     observe_draft_health(grpc_server.registry, draft.health)
+    observe_draft_records(grpc_server.registry, servicer.generator.engine.records)
     grpc_server.server.start()
     try:
         store.ping()

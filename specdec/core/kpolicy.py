@@ -142,6 +142,13 @@ class DraftRecord:
             if sum(self.offered.values()) > RECORD_HALF_LIFE:
                 self._halve()
 
+    def summary(self) -> tuple[float, float | None, bool | None]:
+        """(model-drawn drafts examined at the first position, their acceptance, None before any,
+        the latest verdict, None before one): what the metrics show of the record."""
+        with self._lock:
+            offered = self.offered.get(1, 0.0)
+            return offered, self.accepted.get(1, 0.0) / offered if offered else None, self.pays
+
     def _halve(self) -> None:
         for counts in (self.offered, self.accepted):
             for i in counts:

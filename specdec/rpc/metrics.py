@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 import prometheus_client
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from specdec.core.errors import AtCapacity
+from specdec.core.kpolicy import RECORD_EXPLORE_EVERY
 from specdec.rpc.errors import REASON_KEY
 
 # `REASON_KEY` of an admission refusal: the pod is at max_concurrent_requests.
@@ -67,6 +69,51 @@ class _Observed(Collector):
         family = self._family()
         family.add_metric(self._values, float(self._read()))
         return [family]
+
+
+class _DraftRecords(Collector):
+    """auto K's records of the model draft (`kpolicy.DraftRecord`, greedy and sampled requests
+    apart) as read at scrape time: an operator's answer to "why does auto K not draft?"."""
+
+    SAMPLING = {True: "greedy", False: "sampled"}
+
+    def __init__(self, records: Mapping[bool, Any]):
+        self._records = records
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "specdec_draft_record_verdict",
+                "auto K's verdict on the draft model from finished requests: 1 it drafts, 0 it is not called "
+                f"(but by one request in {RECORD_EXPLORE_EVERY}, which explores), -1 too few positions recorded yet",
+                labels=["sampling"],
+            ),
+            GaugeMetricFamily(
+                "specdec_draft_record_positions",
+                "model-drawn drafts the record weighs at the first position (counts halve past its half-life)",
+                labels=["sampling"],
+            ),
+            GaugeMetricFamily(
+                "specdec_draft_record_acceptance",
+                "the record's acceptance of model-drawn drafts at the first position",
+                labels=["sampling"],
+            ),
+        ]
+
+    def describe(self):
+        return self._families()  # names only: registering must not read the records yet
+
+    def collect(self):
+        verdict, positions, acceptance = families = self._families()
+        for greedy, record in self._records.items():
+            offered, accepted, pays = record.summary()
+            label = [self.SAMPLING[greedy]]
+            verdict.add_metric(label, -1.0 if pays is None else float(pays))
+            positions.add_metric(label, offered)
+            if accepted is not None:
+                acceptance.add_metric(label, accepted)
+        return families
 
 
 class Registry:
@@ -281,6 +328,11 @@ class GenerationMetrics:
         for kind, value in (("prompt", prompt), ("generated", generated), ("drafted", drafted), ("accepted", accepted)):
             self.tokens.labels(kind=kind).inc(value)
         self.rounds.inc(rounds)
+
+
+def observe_draft_records(registry: Registry, records: Mapping[bool, Any]) -> None:
+    """The engine's `records` (greedy -> `kpolicy.DraftRecord`) as gauges read at each scrape."""
+    registry.collectors.register(_DraftRecords(records))
 
 
 def observe_draft_health(registry: Registry, health) -> None:

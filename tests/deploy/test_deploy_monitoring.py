@@ -18,7 +18,14 @@ from deploy_support import ROOT, render
 from test_deploy_validators import kubernetes_validate
 
 from gateway import http_metrics
-from specdec.rpc.metrics import GenerationMetrics, MetricsInterceptor, Registry, observe_draft_health
+from specdec.core.kpolicy import DraftRecord
+from specdec.rpc.metrics import (
+    GenerationMetrics,
+    MetricsInterceptor,
+    Registry,
+    observe_draft_health,
+    observe_draft_records,
+)
 from specdec.rpc.model_service import observe_kv_cache, observe_scheduler
 
 MONITORING = ROOT / "k8s" / "monitoring"
@@ -40,6 +47,7 @@ def exported_series() -> set[str]:
     MetricsInterceptor(registry, "coordinator")
     GenerationMetrics(registry, positions=1)
     observe_draft_health(registry, SimpleNamespace(fallback_rounds=0, failures=0, healthy=True))
+    observe_draft_records(registry, {True: DraftRecord(), False: DraftRecord()})
     observe_kv_cache(registry, _Cache(), "target")
     scheduler = SimpleNamespace(stats=SimpleNamespace(steps=0, shared=0), queued=0, step_observers=[])
     observe_scheduler(registry, scheduler, "target")

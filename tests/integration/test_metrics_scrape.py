@@ -99,6 +99,8 @@ def test_scraped_metrics_agree_with_the_response_stats(tiny_stack, coordinator_s
     duration = {"service": "coordinator", "method": "GenerateStream"}
     assert coordinator("specdec_request_duration_seconds_count", **duration) == 1
     assert coordinator("specdec_request_duration_seconds_sum", **duration) >= stats.total_time_s
+    # auto K's record of the draft model: one 16-token request is too few positions for a verdict.
+    assert [coordinator.now("specdec_draft_record_verdict", sampling=s) for s in ("greedy", "sampled")] == [-1, -1]
 
     # The pools: one Verify per round, each at least one batched step, and their caches' state.
     assert target("specdec_requests_total", service="target", method="Verify", code="OK") == stats.rounds

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import urllib.request
 
+from specdec.core.kpolicy import MIN_RECORDED_POSITIONS, DraftRecord, RoundOutcome
 from specdec.rpc.metrics import (
     LATENCY_BUCKETS,
     GenerationMetrics,
     MetricsInterceptor,
     Registry,
+    observe_draft_records,
     sample_value,
     serve_metrics,
 )
@@ -91,3 +93,20 @@ def test_the_http_endpoint_serves_the_text_format_and_sample_value_ignores_label
     assert "_created" not in body  # one series per counter, not two
     assert sample_value(body, "specdec_requests_total", code="OK", method="Propose", service="draft") == 3
     assert sample_value(body, "specdec_requests_total", service="draft", method="Info", code="OK") is None
+
+
+def test_auto_k_records_of_the_draft_model_are_read_at_scrape_per_sampling_mode():
+    records = {True: DraftRecord(), False: DraftRecord()}
+    registry = Registry()
+    observe_draft_records(registry, records)
+    assert registry.value("specdec_draft_record_verdict", sampling="greedy") == -1
+    assert registry.value("specdec_draft_record_positions", sampling="sampled") == 0
+    assert registry.value("specdec_draft_record_acceptance", sampling="greedy") is None  # nothing examined yet
+    # Greedy requests whose model drafts (2 a round, in 5 ms) are accepted 1 time in 4; 1-row Verifies of 6 ms.
+    rounds = [RoundOutcome(2, 0.005, 0.007, 3, [(2, 2 if i % 4 == 0 else 0)], model_drawn=[True]) for i in range(40)]
+    records[True].add([*rounds, RoundOutcome(0, 0.0, 0.006, 1, [(0, 0)], model_drawn=[False])])
+    assert records[True].verdict(4) is False
+    assert registry.value("specdec_draft_record_verdict", sampling="greedy") == 0
+    assert registry.value("specdec_draft_record_positions", sampling="greedy") == 40 >= MIN_RECORDED_POSITIONS
+    assert registry.value("specdec_draft_record_acceptance", sampling="greedy") == 0.25
+    assert registry.value("specdec_draft_record_verdict", sampling="sampled") == -1
