@@ -493,7 +493,9 @@ class ModelRunner:
         """Items that hold no cache entry yet and open with the same tokens (the samples of one
         request, chats under one system prompt) get that prefix computed once: the first runs it
         into its entry (unless a cached entry holds all of it), and every item's own entry starts
-        as a copy of it (`_fork`)."""
+        as a copy of it (`_fork`), or of more where a cached entry holds more of its tokens (a chat
+        re-sent whole: its previous turn's entry holds all of its history, the others its system
+        prompt only; forked at the shared length, 8 such chats recomputed their histories, 2.2 s)."""
         fresh = [i for i in items if i.session_id and i.input_hidden is None and self.cache.peek(i.session_id) is None]
         groups: dict[tuple[int, ...], list[StepItem]] = {}
         for item in fresh:
@@ -506,7 +508,8 @@ class ModelRunner:
                 self.last_logits(leader.session_id, leader.token_ids[:shared], 1)
             with self._lock:  # now, as a step takes every entry out before its forward
                 for item in (leader, *others):
-                    fork = None if self.cache.peek(item.session_id) else self._fork(list(item.token_ids), shared)
+                    own = len(item.token_ids) - item.num_last  # as `_take_entry` forks a lone item
+                    fork = None if self.cache.peek(item.session_id) else self._fork(list(item.token_ids), own)
                     if fork is not None:
                         self.cache.put(item.session_id, fork)
 

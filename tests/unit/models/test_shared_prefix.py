@@ -130,6 +130,24 @@ def test_a_session_under_a_cached_prompt_reads_it_and_the_source_still_matches(t
     _same_as_alone(runner.last_logits("first", more, 1), alone, more, 1)
 
 
+@pytest.mark.parametrize("once", [False, True], ids=["copied", "stored-once"])
+def test_new_sessions_of_one_step_each_read_their_own_longest_cached_prompt(tiny_loaded, monkeypatch, once):
+    """Chats re-sent whole (a stateless API's next turn) share only the system prompt with each
+    other, but each its whole history with the cached entry of its previous turn."""
+    if once:
+        monkeypatch.setattr(runner_module, "MIN_STORED_ONCE", 16)
+    model = tiny_loaded["target"].runner.model
+    runner, alone = _runner(model), _runner(model)
+    system = PROMPT[:20]
+    histories = [[*system, *([1, 2] * 6)], [*system, *([5, 3] * 6)]]  # 32 tokens each, 20 in common
+    for i, history in enumerate(histories):
+        runner.last_logits(f"turn-1/{i}", [*history, 7], 1)
+    items = [StepItem(f"turn-2/{i}", [*history, 7, 6, 4], 1) for i, history in enumerate(histories)]
+    for got, item in zip(runner.step(items), items, strict=True):
+        assert got.cached_tokens == 33, "the cached turn serves all of this one but the new tokens"
+        _same_as_alone(got, alone, item.token_ids, item.num_last)
+
+
 def test_a_rollback_into_the_prefix_makes_the_positions_the_sessions_own(tiny_loaded, stored_once):
     model = tiny_loaded["target"].runner.model
     runner, alone = _runner(model), _runner(model)
