@@ -19,6 +19,7 @@ from coordinator.requests import validate_session_id
 from coordinator.resume import resumable_tokens
 from coordinator.sessions import SessionStore
 from coordinator.settings import CoordinatorSettings
+from specdec.core.call_batching import BatchingVerifier
 from specdec.core.engine import SpeculativeEngine
 from specdec.core.errors import Unavailable
 from specdec.core.protocols import Deadline
@@ -26,7 +27,12 @@ from specdec.models.sources import TokenizerText, load_tokenizer, tokenizer_fing
 from specdec.rpc.clients import DraftClient, TargetClient
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.logs import REQUEST_ID_KEY, log_context, request_id_or_new
-from specdec.rpc.metrics import GenerationMetrics, observe_draft_health, observe_draft_records
+from specdec.rpc.metrics import (
+    GenerationMetrics,
+    observe_call_batching,
+    observe_draft_health,
+    observe_draft_records,
+)
 from specdec.rpc.server import GrpcServer, build_grpc_server, configure_observability
 from specdec.rpc.tls import ChannelCertificateFiles, TlsFiles, redact_url
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -84,7 +90,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             draft, target, settings.tokenizer, tokenizer_fingerprint(tokenizer), settings.pool_info_refresh_s
         )
         self.decode = TokenizerText(tokenizer)
-        engine = SpeculativeEngine(draft, target, self.decode)
+        verifier = BatchingVerifier(target, settings.verify_batch_wait_ms / 1000)
+        engine = SpeculativeEngine(draft, verifier, self.decode)
         self.generator = Generator(settings, engine, self.pools.info, tokenizer, store)
 
     def use_registry(self, registry) -> None:
@@ -197,6 +204,7 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     servicer.use_registry(grpc_server.registry)
     observe_draft_health(grpc_server.registry, draft.health)
     observe_draft_records(grpc_server.registry, servicer.generator.engine.records)
+    observe_call_batching(grpc_server.registry, servicer.generator.engine.verifier.stats)
     grpc_server.server.start()
     try:
         store.ping()

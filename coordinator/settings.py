@@ -47,6 +47,12 @@ class CoordinatorSettings(ServerTlsSettings):
     # retried on another (Propose and Verify are pure functions of the request).
     draft_timeout_s: float = setting(5.0, "DRAFT_TIMEOUT_S", "deadline of one Propose attempt")
     verify_timeout_s: float = setting(20.0, "VERIFY_TIMEOUT_S", "deadline of one Verify attempt")
+    verify_batch_wait_ms: float = setting(
+        4.0,
+        "VERIFY_BATCH_WAIT_MS",
+        "longest a request's Verify waits for the other requests' to go to the target pool as one call "
+        "(specdec.core.call_batching; 0 = each alone)",
+    )
     info_timeout_s: float = setting(5.0, "INFO_TIMEOUT_S", "deadline of one Info call")
     call_attempts: int = setting(
         3, "CALL_ATTEMPTS", "attempts of one Propose / Verify after UNAVAILABLE, a timeout or a pod at capacity"
@@ -145,6 +151,8 @@ class CoordinatorSettings(ServerTlsSettings):
             raise ValueError("max_concurrent_requests must be in [1, max_workers): health probes need a free thread")
         if self.sample_batch_size < 1 or self.max_num_samples < 1:
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")
+        if not 0 <= self.verify_batch_wait_ms <= 1000:
+            raise ValueError("verify_batch_wait_ms must be in [0, 1000]")
         if self.keepalive_s and self.keepalive_s < MIN_KEEPALIVE_S:
             raise ValueError(f"keepalive_s must be 0 (off) or >= {MIN_KEEPALIVE_S} (what the pools accept)")
         limits = ("max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_request_tokens", "call_attempts")

@@ -335,6 +335,21 @@ def observe_draft_records(registry: Registry, records: Mapping[bool, Any]) -> No
     registry.collectors.register(_DraftRecords(records))
 
 
+def observe_call_batching(registry: Registry, stats) -> None:
+    """The coordinator's Verify calls and the calls they went to the target pool as
+    (`specdec.core.call_batching.BatchStats`), read at each scrape."""
+    for name, help_text, read in (
+        ("specdec_verify_calls_total", "requests' Verify calls (each one round of one request)", lambda: stats.calls),
+        ("specdec_verify_batches_total", "calls to the target pool that carried them", lambda: stats.batches),
+        (
+            "specdec_verify_retried_alone_total",
+            "requests' Verify calls sent again alone after the batch they were in failed",
+            lambda: stats.retried_alone,
+        ),
+    ):
+        registry.observe(name, help_text, "counter", {}, read)
+
+
 def observe_draft_health(registry: Registry, health) -> None:
     """The draft pool's health (`specdec.core.draft_health.DraftHealth`) as read at each scrape."""
     registry.observe(

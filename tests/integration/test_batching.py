@@ -134,10 +134,13 @@ def test_a_full_scheduler_queue_is_at_capacity_for_the_caller(tiny_stack, tiny_l
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_concurrent_streams_batched_together_follow_target_law(coordinator_stub, tiny_loaded, k, record_property):
+def test_concurrent_streams_batched_together_follow_target_law(
+    tiny_stack, coordinator_stub, tiny_loaded, k, record_property
+):
     """Four clients at once, each a series of num_samples requests: their sequences share the
-    draft's and the target's steps (asserted), and the first 3 tokens of all 14000 samples are
-    chi-squared against the target's exact law at significance 0.001.
+    draft's and the target's steps, and the coordinator sends several requests' Verify calls as one
+    (`call_batching`; both asserted), and the first 3 tokens of all 14000 samples are chi-squared
+    against the target's exact law at significance 0.001.
 
     Power: at n = 14000 this law has ~270 bins with expected counts >= 5 (the rest pooled); a law
     at total-variation distance 0.05 from it has chi-square divergence >= 4 * 0.05^2 = 0.01, so
@@ -147,6 +150,8 @@ def test_concurrent_streams_batched_together_follow_target_law(coordinator_stub,
     total, clients, sampling = 14_000, 4, Sampling(1.0)
     runners = [tiny_loaded["draft"].runner, tiny_loaded["target"].runner]
     shared_before = [scheduler_for(r).stats.shared for r in runners]
+    registry = tiny_stack.servers[0].registry
+    verify_before = [registry.value(f"specdec_verify_{n}_total") for n in ("calls", "batches")]
     seed = zlib.crc32(f"batched-K{k}".encode()) % 997
 
     def client(i: int):
@@ -163,6 +168,9 @@ def test_concurrent_streams_batched_together_follow_target_law(coordinator_stub,
     record_property("summary", fit.summary)
     shared = [scheduler_for(r).stats.shared - b for r, b in zip(runners, shared_before, strict=True)]
     assert min(shared) > 0, shared  # several clients' sequences did run in one step
+    names = ("calls", "batches")
+    calls, batches = (registry.value(f"specdec_verify_{n}_total") - b for n, b in zip(names, verify_before, strict=True))
+    assert batches < calls, (calls, batches)  # several requests' rounds went as one Verify call
     assert total >= fit.needed, fit.summary
     assert recovered > total * 0.1, fit.summary
     assert fit.p_value > SIGNIFICANCE, fit.summary
