@@ -116,8 +116,8 @@ class BatchingVerifier:
         with self._cond:
             for member in batch:
                 member.done = True
-                if error is not None and len(batch) == 1:
-                    member.error = error
+                if error is not None and (len(batch) == 1 or not isinstance(error, Exception)):
+                    member.error = error  # (an interrupt or exit is every caller's)
                 elif error is not None:
                     member.alone = True
                     self.stats.retried_alone += 1
@@ -137,6 +137,6 @@ class BatchingVerifier:
         requests = [r for c in batch for r in c.requests]
         try:
             return self.verifier.verify(requests, batch[0].sampling, _latest([c.deadline for c in batch])), None
-        except Exception as exc:  # noqa: BLE001 - raised by its caller, or each caller calls alone
+        except BaseException as exc:  # noqa: BLE001 - raised by its caller, or each caller calls alone
             return None, exc
 
