@@ -128,20 +128,50 @@ def test_a_lone_callers_error_is_raised_without_a_second_call():
 def test_each_caller_keeps_its_own_deadline():
     """The batch's call runs to the latest deadline; a caller whose own passed gets DeadlineExceeded."""
     pool = FakePool(step_s=0.05)
-    batcher = BatchingVerifier(pool, wait_s=0.05)
+    batcher = BatchingVerifier(pool, wait_s=0.2)
     start = threading.Barrier(2)
 
-    def one(key, deadline):
+    def calls(key, left_s):
         start.wait()
-        try:
-            return batcher.verify([_request(key)], Sampling(1.0), deadline)
-        except DeadlineExceeded as exc:
-            return exc
+        got = []
+        for _ in range(3):
+            deadline = NO_DEADLINE if left_s is None else Deadline(time.monotonic() + left_s)
+            try:
+                got.append(batcher.verify([_request(key)], Sampling(1.0), deadline))
+            except DeadlineExceeded as exc:
+                got.append(exc)
+        return got
 
-    soon = Deadline(time.monotonic() + 0.02)
     with ThreadPoolExecutor(2) as threads:
-        short, long = threads.map(one, ["short", "long"], [soon, NO_DEADLINE])
-    assert isinstance(short, DeadlineExceeded) and long[0].cached_tokens == 3
+        short, long = threads.map(calls, ["short", "long"], [0.005, None])
+    assert sorted(["short", "long"]) in [sorted(keys) for keys, _ in pool.calls], pool.calls
+    assert all(isinstance(g, DeadlineExceeded) for g in short) and all(g[0].cached_tokens == 3 for g in long)
+
+
+def test_a_long_call_in_flight_is_waited_for_once():
+    """A prompt's call takes many steps: the other callers' rounds wait for it once, not each."""
+    pool = FakePool(step_s=0)
+    sent, slow = threading.Event(), threading.Event()
+    verify = pool.verify
+
+    def slow_prompt(requests, sampling, deadline):
+        if requests[0].cache_key == "prompt":
+            sent.set()
+            slow.wait(5)
+        return verify(requests, sampling, deadline)
+
+    pool.verify = slow_prompt
+    batcher = BatchingVerifier(pool, wait_s=0.1)
+    prompt = threading.Thread(target=batcher.verify, args=([_request("prompt")], Sampling(1.0), NO_DEADLINE))
+    prompt.start()
+    assert sent.wait(5)
+    started = time.monotonic()
+    for _ in range(6):
+        batcher.verify([_request("decode")], Sampling(1.0), NO_DEADLINE)
+    took = time.monotonic() - started
+    slow.set()
+    prompt.join()
+    assert 0.09 < took < 0.3, took
 
 
 def test_a_caller_that_never_comes_back_delays_the_next_batch_once_by_at_most_the_wait():
