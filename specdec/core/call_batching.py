@@ -7,8 +7,9 @@ at all, at 8 streams on 2 cores). Here the first caller to arrive leads: it wait
 for the callers whose calls are in flight or have come back (calls the pool ran in one step come
 back together, then each caller does its coordinator work), then sends everything queued with its
 sampling as one call and hands each caller its results; a caller not come within the wait is not
-waited for again until its call comes back (a long one: a prompt) or it calls (a request ended). One call's sequences are the same sequences the
-pool would batch into one step anyway: each gets what it would get alone (the pool's contract).
+waited for again until its call comes back (a long one: a prompt) or it calls (a request ended).
+One call's sequences are the same sequences the pool would batch into one step anyway: each gets
+what it would get alone (the pool's contract).
 
 A batch that fails is retried call by call on the callers' own threads, so an error (a bad request,
 an expired deadline) stays with the request it concerns.
