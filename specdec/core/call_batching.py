@@ -26,6 +26,11 @@ from specdec.core.protocols import NO_DEADLINE, Deadline, Verifier, VerifyReques
 from specdec.core.sampling import Sampling
 
 
+# Most sequences one batched call carries: `num_samples` requests send 32 a call, and at T = 1 a
+# sequence's laws are ~1 MB dense at K = 4 (V = 49,152), under the channels' 256 MiB messages.
+MAX_SEQUENCES = 64
+
+
 @dataclass(eq=False)
 class _Call:
     requests: list[VerifyRequest]
@@ -59,9 +64,12 @@ class BatchStats:
 class BatchingVerifier:
     """A `Verifier` that sends concurrent callers' requests to `verifier` as one call."""
 
-    def __init__(self, verifier: Verifier, wait_s: float = 0.004, clock=time.monotonic):
+    def __init__(
+        self, verifier: Verifier, wait_s: float = 0.004, max_sequences: int = MAX_SEQUENCES, clock=time.monotonic
+    ):
         self.verifier = verifier
         self.wait_s = wait_s
+        self.max_sequences = max_sequences
         self.clock = clock
         self.stats = BatchStats()
         self._cond = threading.Condition()
@@ -105,8 +113,7 @@ class BatchingVerifier:
                 self._cond.wait(left)
             self._missed |= due & self._in_flight
             self._away -= due
-            batch = [c for c in self._queue if c.sampling == call.sampling]
-            self._queue = [c for c in self._queue if c.sampling != call.sampling]
+            batch = self._take(call)
             self._leader = bool(self._queue)
             if self._queue:  # another sampling's callers: the oldest leads them
                 self._queue[0].leads = True
@@ -128,6 +135,19 @@ class BatchingVerifier:
                 self._missed.discard(member.key)
                 self._away.add(member.key)
             self._cond.notify_all()
+
+    def _take(self, leader: _Call) -> list[_Call]:
+        """The leader's call, then the queued calls of its sampling in order while their sequences
+        fit `max_sequences` (under _cond); the others stay queued."""
+        batch, size = [leader], len(leader.requests)
+        for other in self._queue:
+            if other is not leader and other.sampling == leader.sampling:
+                if size + len(other.requests) <= self.max_sequences:
+                    batch.append(other)
+                    size += len(other.requests)
+        taken = {id(c) for c in batch}
+        self._queue = [c for c in self._queue if id(c) not in taken]
+        return batch
 
     def _due(self) -> set[str]:
         """Callers a leader waits for: away or in flight, not missed, not queued (under _cond)."""

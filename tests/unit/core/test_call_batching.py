@@ -191,3 +191,19 @@ def test_no_wait_is_a_plain_call():
     batcher = BatchingVerifier(pool, wait_s=0)
     assert batcher.verify([_request("a")], Sampling(1.0), NO_DEADLINE)[0].cached_tokens == 3
     assert pool.calls == [(["a"], Sampling(1.0))] and batcher.stats.calls == 0
+
+
+def test_a_batch_carries_at_most_max_sequences():
+    pool = FakePool()
+    batcher = BatchingVerifier(pool, wait_s=0.05, max_sequences=4)
+    start = threading.Barrier(3)
+
+    def samples(i):
+        start.wait()
+        for _ in range(3):
+            got = batcher.verify([_request(f"c{i}/{j}") for j in range(2)], Sampling(1.0), NO_DEADLINE)
+        return [r.cached_tokens for r in got]
+
+    with ThreadPoolExecutor(3) as threads:
+        assert list(threads.map(samples, range(3))) == [[3, 3]] * 3
+    assert max(len(keys) for keys, _ in pool.calls) == 4 and len(pool.calls) < 9
