@@ -90,7 +90,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             draft, target, settings.tokenizer, tokenizer_fingerprint(tokenizer), settings.pool_info_refresh_s
         )
         self.decode = TokenizerText(tokenizer)
-        verifier = BatchingVerifier(target, settings.verify_batch_wait_ms / 1000)
+        verifier = BatchingVerifier(target, settings.verify_batch_wait_ms / 1000, settings.sample_batch_size)
         engine = SpeculativeEngine(draft, verifier, self.decode)
         self.generator = Generator(settings, engine, self.pools.info, tokenizer, store)
 

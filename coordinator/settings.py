@@ -50,8 +50,8 @@ class CoordinatorSettings(ServerTlsSettings):
     verify_batch_wait_ms: float = setting(
         4.0,
         "VERIFY_BATCH_WAIT_MS",
-        "longest a request's Verify waits for the other requests' to go to the target pool as one call "
-        "(specdec.core.call_batching; 0 = each alone)",
+        "longest a request's Verify waits for the other requests' to go to the target pool as one call of "
+        "at most SAMPLE_BATCH_SIZE sequences (specdec.core.call_batching; 0 = each alone)",
     )
     info_timeout_s: float = setting(5.0, "INFO_TIMEOUT_S", "deadline of one Info call")
     call_attempts: int = setting(

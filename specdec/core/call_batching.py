@@ -26,8 +26,9 @@ from specdec.core.protocols import NO_DEADLINE, Deadline, Verifier, VerifyReques
 from specdec.core.sampling import Sampling
 
 
-# Most sequences one batched call carries: `num_samples` requests send 32 a call, and at T = 1 a
-# sequence's laws are ~1 MB dense at K = 4 (V = 49,152), under the channels' 256 MiB messages.
+# Most sequences one batched call carries by default (the coordinator passes its SAMPLE_BATCH_SIZE,
+# the sequences it sends in one call): at T = 1 a sequence's laws are ~1 MB dense at K = 4
+# (V = 49,152), so a batch stays far under the channels' 256 MiB messages.
 MAX_SEQUENCES = 64
 
 
