@@ -87,6 +87,9 @@ class BatchingVerifier:
 
     def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
         if self.wait_s <= 0:
+            with self._cond:
+                self.stats.calls += 1
+                self.stats.batches += 1
             return self.verifier.verify(requests, sampling, deadline)
         call = _Call(list(requests), sampling, deadline, self.clock())
         with self._cond:

@@ -190,7 +190,7 @@ def test_no_wait_is_a_plain_call():
     pool = FakePool(step_s=0)
     batcher = BatchingVerifier(pool, wait_s=0)
     assert batcher.verify([_request("a")], Sampling(1.0), NO_DEADLINE)[0].cached_tokens == 3
-    assert pool.calls == [(["a"], Sampling(1.0))] and batcher.stats.calls == 0
+    assert pool.calls == [(["a"], Sampling(1.0))] and batcher.stats.calls == batcher.stats.batches == 1
 
 
 def test_a_batch_carries_at_most_max_sequences():
