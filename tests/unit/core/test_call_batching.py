@@ -160,11 +160,17 @@ def test_a_long_call_in_flight_is_waited_for_once():
             slow.wait(5)
         return verify(requests, sampling, deadline)
 
+    def prompt_call() -> threading.Thread:
+        sent.clear()
+        slow.clear()
+        thread = threading.Thread(target=batcher.verify, args=([_request("prompt")], Sampling(1.0), NO_DEADLINE))
+        thread.start()
+        assert sent.wait(5)
+        return thread
+
     pool.verify = slow_prompt
     batcher = BatchingVerifier(pool, wait_s=0.1)
-    prompt = threading.Thread(target=batcher.verify, args=([_request("prompt")], Sampling(1.0), NO_DEADLINE))
-    prompt.start()
-    assert sent.wait(5)
+    prompt = prompt_call()
     started = time.monotonic()
     for _ in range(6):
         batcher.verify([_request("decode")], Sampling(1.0), NO_DEADLINE)
@@ -172,6 +178,14 @@ def test_a_long_call_in_flight_is_waited_for_once():
     slow.set()
     prompt.join()
     assert 0.09 < took < 0.3, took
+    # Back, it is company again: its next call in flight is waited for (once more).
+    prompt = prompt_call()
+    started = time.monotonic()
+    batcher.verify([_request("decode")], Sampling(1.0), NO_DEADLINE)
+    took = time.monotonic() - started
+    slow.set()
+    prompt.join()
+    assert took > 0.09, took
 
 
 def test_a_caller_that_never_comes_back_delays_the_next_batch_once_by_at_most_the_wait():
