@@ -192,6 +192,7 @@ class Generator:
             # Without a session (in-process) the model caches still want a key per call.
             cache_key=session_id or secrets.token_hex(8),
             sample_batch_size=self.settings.sample_batch_size,
+            decode_steps=max(1, min(self.settings.decode_steps, pools.target.max_decode_steps)),
         )
 
     def rounds(self, gen: Generation, is_active: Callable[[], bool], streaming: bool) -> Iterator[RoundEvent]:
@@ -223,12 +224,12 @@ class Generator:
             # happen inside next(), so their client spans are children of the round's.
             while any(s.running for s in batch):
                 with tracing.span("specdec.round") as span:
-                    tally = _Tally(gen.stats)
+                    tally, rounds = _Tally(gen.stats), gen.stats.rounds
                     event = next(events, None)
                     if event is None:
                         break
                     self._observe_round(gen, event, tally, span)
-                gen.stats.draft_fallback_rounds += gen.draft_down
+                gen.stats.draft_fallback_rounds += gen.draft_down * (gen.stats.rounds - rounds)  # decode steps: several
                 yield event  # a stream is resumed here only once gRPC has sent the round's chunk
                 if saves is not None:
                     (sample,) = batch

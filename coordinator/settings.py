@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specdec.core.protocols import MAX_DECODE_STEPS
 from specdec.rpc.logs import check_log_format
 from specdec.rpc.server import MIN_KEEPALIVE_S
 from specdec.rpc.tls import ServerTlsSettings
@@ -52,6 +53,14 @@ class CoordinatorSettings(ServerTlsSettings):
         "VERIFY_BATCH_WAIT_MS",
         "longest a request's Verify waits for the other requests' to go to the target pool as one call of "
         "at most SAMPLE_BATCH_SIZE sequences (specdec.core.call_batching; 0 = each alone)",
+    )
+    # A K = 0 round through the services costs its step plus ~2.5 ms of round trip here (README,
+    # "Decode steps"); the target samples a stretch of them itself, from the same uniforms.
+    decode_steps: int = setting(
+        4,
+        "DECODE_STEPS",
+        "K = 0 rounds the target may run in one Verify call, sampling each token from the uniforms this "
+        "coordinator draws (the same tokens; tokens then stream in groups of up to this many; 1 = a call a token)",
     )
     info_timeout_s: float = setting(5.0, "INFO_TIMEOUT_S", "deadline of one Info call")
     call_attempts: int = setting(
@@ -153,6 +162,8 @@ class CoordinatorSettings(ServerTlsSettings):
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")
         if not 0 <= self.verify_batch_wait_ms <= 1000:
             raise ValueError("verify_batch_wait_ms must be in [0, 1000]")
+        if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
         if self.keepalive_s and self.keepalive_s < MIN_KEEPALIVE_S:
             raise ValueError(f"keepalive_s must be 0 (off) or >= {MIN_KEEPALIVE_S} (what the pools accept)")
         limits = ("max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_request_tokens", "call_attempts")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.core.errors import InvalidArgument
-from specdec.core.protocols import VerifyRequest
+from specdec.core.protocols import MAX_DECODE_STEPS, VerifyRequest
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.model_service import (
     CallDeadline,
@@ -20,6 +20,21 @@ from specdec.rpc.wire import sampling_from_proto, verify_response
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.settings import TargetSettings
 from target_service.verifier import verify_scheduled
+
+
+def _decode_steps(seq: target_pb2.VerifySequence, vocab_size: int) -> tuple[tuple[float, ...], frozenset[int]]:
+    """A sequence's decode uniforms and stop tokens, InvalidArgument unless they can run."""
+    uniforms = tuple(seq.decode_uniforms)
+    if not uniforms:
+        return (), frozenset()
+    if seq.draft_token_ids or seq.HasField("hidden_states_from"):
+        raise InvalidArgument("decode_uniforms run at K = 0 without hidden states")
+    if len(uniforms) > MAX_DECODE_STEPS:
+        raise InvalidArgument(f"{len(uniforms)} decode steps, the limit is {MAX_DECODE_STEPS}")
+    if not all(0.0 <= u < 1.0 for u in uniforms):
+        raise InvalidArgument("decode_uniforms must be in [0, 1)")
+    validate_token_ids(list(seq.stop_token_ids), vocab_size, "stop_token_ids")
+    return uniforms, frozenset(seq.stop_token_ids)
 
 
 class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
@@ -42,7 +57,9 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             hidden_from = seq.hidden_states_from if seq.HasField("hidden_states_from") else None
             if hidden_from is not None and not 0 <= hidden_from < len(prefix):
                 raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
-            parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from))
+            uniforms, stops = _decode_steps(seq, runner.vocab_size)
+            validate_length(len(prefix) + len(uniforms) - 1, runner.max_positions)
+            parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, 0, uniforms, stops))
         return parsed
 
     @grpc_errors

@@ -1,4 +1,5 @@
-"""Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K.
+"""Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K (or, at K = 0,
+several decode steps sampled here from the coordinator's uniforms).
 
 `verify_task` is one sequence's work as a scheduler task (`specdec.models.scheduler`);
 `verify_scheduled` runs a call's sequences on the model's scheduler (the target service,
@@ -13,8 +14,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from specdec.core.engine import check_laws
 from specdec.core.protocols import NO_DEADLINE, Deadline, VerifyRequest, VerifyResult
-from specdec.core.sampling import Sampling
+from specdec.core.sampling import Sampling, draw
 from specdec.models.runner import LogitsResult, ModelRunner, StepItem
 from specdec.models.scheduler import SessionTask, Task, run_tasks, scheduler_for
 from specdec.models.warping import wire_laws
@@ -22,15 +24,36 @@ from specdec.models.warping import wire_laws
 
 def verify_task(request: VerifyRequest) -> Task:
     """One sequence's forward over prefix + drafts (a scheduler task of one step); it receives
-    (its laws [K+1, V] float32 as sent, the LogitsResult) from `verify_laws`."""
+    (its laws [K+1, V] float32 as sent, the LogitsResult) from `verify_laws`. With decode
+    uniforms, one step per uniform instead (`_decode_steps`)."""
     probs, result = yield StepItem(
         request.cache_key,
         request.prefix_token_ids + request.draft_token_ids,
         len(request.draft_token_ids) + 1,
         hidden_from=request.hidden_from,
     )
+    if request.decode_uniforms:
+        return (yield from _decode_steps(request, probs, result))
     hidden = result.hidden.numpy() if result.hidden is not None else None  # [len - hidden_from, H]
     return VerifyResult(probs, result.cached_tokens, hidden, result.step_sequences, result.step_rows)
+
+
+def _decode_steps(request: VerifyRequest, probs: np.ndarray, first: LogitsResult) -> Task:
+    """Target-only rounds without the round trips: each step's token drawn from its law [1, V] at
+    its uniform, as the coordinator's K = 0 round draws it from the same float32 law
+    (`speculative_round`'s bonus), then the next step over it; the session's cache keeps every step."""
+    tokens, decoded, result = list(request.prefix_token_ids), [], first
+    for step, uniform in enumerate(request.decode_uniforms):
+        if step:
+            probs, result = yield StepItem(request.cache_key, list(tokens), 1)
+        check_laws("target", probs)  # what the coordinator checks of laws it is sent
+        token = draw(probs[0], uniform)
+        decoded.append(token)
+        tokens.append(token)
+        if token in request.stop_token_ids:
+            break
+    laws = np.empty((0, 0), np.float32)
+    return VerifyResult(laws, first.cached_tokens, None, result.step_sequences, result.step_rows, tuple(decoded))
 
 
 def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple[np.ndarray, LogitsResult]]]:

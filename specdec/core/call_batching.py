@@ -48,6 +48,11 @@ class _Call:
     def key(self) -> str:
         return self.requests[0].cache_key if self.requests else ""
 
+    @property
+    def steps(self) -> int:
+        """Steps its call holds the pool for: a caller of one step does not wait out decode steps."""
+        return max((len(r.decode_uniforms) for r in self.requests), default=0) or 1
+
 
 def _latest(deadlines: Sequence[Deadline]) -> Deadline:
     """The batch's deadline: the latest of its callers' (each checks its own after)."""
@@ -119,7 +124,7 @@ class BatchingVerifier:
             self._away -= due
             batch = self._take(call)
             self._leader = bool(self._queue)
-            if self._queue:  # another sampling's callers: the oldest leads them
+            if self._queue:  # another sampling's (or steps') callers: the oldest leads them
                 self._queue[0].leads = True
                 self._cond.notify_all()
             self._in_flight |= {c.key for c in batch}
@@ -141,11 +146,11 @@ class BatchingVerifier:
             self._cond.notify_all()
 
     def _take(self, leader: _Call) -> list[_Call]:
-        """The leader's call, then the queued calls of its sampling in order while their sequences
-        fit `max_sequences` (under _cond); the others stay queued."""
+        """The leader's call, then the queued calls of its sampling and steps in order while their
+        sequences fit `max_sequences` (under _cond); the others stay queued."""
         batch, size = [leader], len(leader.requests)
         for other in self._queue:
-            if other is not leader and other.sampling == leader.sampling:
+            if other is not leader and other.sampling == leader.sampling and other.steps == leader.steps:
                 if size + len(other.requests) <= self.max_sequences:
                     batch.append(other)
                     size += len(other.requests)

@@ -76,6 +76,10 @@ class GenerationSpec:
     # The draft is a hybrid (ModelInfo.lookup): draft_costs are its model's, which auto K lets serve
     # only where they can pay (DraftRequest.lookup_only).
     draft_lookup: bool = False
+    # Rounds at K = 0 the target may run in one call, sampling each token itself from the uniforms
+    # the coordinator would have drawn (VerifyRequest.decode_uniforms): the same tokens, without a
+    # round trip per token. 1 = a call per token.
+    decode_steps: int = 1
 
     def sample_cache_key(self, index: int) -> str:
         """The model services' KV-cache key of sample `index`: each of several samples has its own
@@ -129,7 +133,7 @@ class Stats:
 class RoundEvent:
     """After one round: the samples that took part and what each appended."""
 
-    round_index: int
+    round_index: int  # its round (the last of them, for decode steps: several rounds at K = 0)
     new_tokens: dict[int, list[int]]  # sample index -> tokens appended this round
 
 
@@ -248,6 +252,17 @@ class SpeculativeEngine:
         round_index, outcomes = first_round, []
         while running := [s for s in samples if s.running]:
             k = policy.choose()
+            steps = self._decode_steps(spec, policy, k, round_index == first_round, verifier is self.verifier)
+            if steps > 1:
+                event, played = self._decode(verifier, spec, running, steps, round_index, stats, deadline)
+                for outcome in played:
+                    outcomes.append(outcome)
+                    policy.observe(outcome)
+                if spec.draft_costs and not any(s.running for s in samples):
+                    record.add(outcomes)
+                yield event
+                round_index = event.round_index + 1
+                continue
             drafts, draft_s = self._propose(
                 drafter, spec, running, k, round_index, stats, deadline, lookup_only=policy.lookup_only
             )
@@ -268,7 +283,7 @@ class SpeculativeEngine:
                 # the record is for.)
                 record.add(outcomes)
             yield event
-            round_index += 1
+            round_index = event.round_index + 1
 
     # ------------------------------------------------------------ one round
 
@@ -378,6 +393,77 @@ class SpeculativeEngine:
             outcomes.append(result)
             new_tokens[sample.index] = self._append(spec, sample, result.tokens)
         return RoundEvent(round_index, new_tokens), outcomes, _step_share(requests, results)
+
+    @staticmethod
+    def _decode_steps(spec: GenerationSpec, policy, k: int, first: bool, plain: bool) -> int:
+        """Rounds of a K = 0 stretch to play in one call: the policy's own run of K = 0 rounds (until
+        its next probe), at most spec.decode_steps; 1 in a request's first round (its prompt: the
+        first token goes out alone) and through the hidden-state relay (a draft's catch-up)."""
+        if k or first or not plain or spec.decode_steps <= 1:
+            return 1
+        return max(1, min(spec.decode_steps, policy.zero_run()))
+
+    def _decode(
+        self,
+        verifier: Verifier,
+        spec: GenerationSpec,
+        running: list[Sample],
+        steps: int,
+        round_index: int,
+        stats: Stats,
+        deadline: Deadline,
+    ) -> tuple[RoundEvent, list[RoundOutcome]]:
+        """Rounds round_index.. at K = 0 in one call: each sample's token of round r drawn by the
+        target at the uniform this engine's K = 0 round r would draw (`speculative_round`'s bonus),
+        so the tokens are those of one call a round. Returns the event and one outcome a round
+        played (the call's seconds shared among them: what a K = 0 round costs the K policy)."""
+        budgets = [min(steps, self._room(spec, s)) for s in running]
+        requests = [
+            VerifyRequest(
+                spec.sample_cache_key(s.index),
+                list(s.context),
+                [],
+                sequence=s.index,
+                decode_uniforms=tuple(
+                    rng_for(spec.seed, s.index, round_index + j, _ACCEPT_STREAM).random() for j in range(n)
+                ),
+                stop_token_ids=spec.eos_token_ids,
+            )
+            for s, n in zip(running, budgets, strict=True)
+        ]
+        started = time.perf_counter()
+        results = verifier.verify(requests, spec.sampling, deadline)
+        verify_s = time.perf_counter() - started
+        stats.verify_time_s += verify_s
+        if len(results) != len(running):
+            raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
+        decoded = [self._decoded(spec, r, n) for r, n in zip(results, budgets, strict=True)]
+        played = max(len(tokens) for tokens in decoded)
+        stats.rounds += played
+        new_tokens = {}
+        for sample, tokens in zip(running, decoded, strict=True):
+            for token in tokens:
+                stats.count(0, RoundResult([], None, token))
+            new_tokens[sample.index] = self._append(spec, sample, tokens)
+        share = _step_share(requests, results)
+        outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share)
+        return RoundEvent(round_index + steps - 1, new_tokens), [outcome] * played
+
+    @staticmethod
+    def _room(spec: GenerationSpec, sample: Sample) -> int:
+        """Tokens the sample may still take: before max_new_tokens and the context window."""
+        room = spec.max_new_tokens - len(sample.generated)
+        if spec.max_context:
+            room = min(room, spec.max_context - len(sample.context))
+        return max(1, room)
+
+    @staticmethod
+    def _decoded(spec: GenerationSpec, result: VerifyResult, steps: int) -> list[int]:
+        """A decode-steps result's tokens; ServiceError unless it took every step or ended on a stop token."""
+        tokens = list(result.decoded_token_ids)
+        if not 1 <= len(tokens) <= steps or (len(tokens) < steps and tokens[-1] not in spec.eos_token_ids):
+            raise ServiceError(f"target returned {len(tokens)} decoded tokens for {steps} decode steps")
+        return tokens
 
     @staticmethod
     def _target_laws(draft: _Draft, target_probs: np.ndarray) -> np.ndarray:

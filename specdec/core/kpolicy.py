@@ -65,6 +65,7 @@ class RoundOutcome:
     model_drawn: Sequence[bool] = ()
 
 
+UNBOUNDED = 1 << 30  # a run of K = 0 rounds with no end (`zero_run`)
 OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: streams come and go
 # Others' rows per sequence beyond any Verify's: a prompt's forward shared the step. Its cost is
 # not the others' usual step, and no K of this request changes it: such rounds teach nothing.
@@ -243,6 +244,10 @@ class FixedK:
 
     def choose(self) -> int:
         return self.k
+
+    def zero_run(self) -> int:
+        """Rounds at K = 0 from this one on, as the policy will choose them: at K = 0, all."""
+        return UNBOUNDED if self.k == 0 else 0
 
     def observe(self, outcome: RoundOutcome) -> None:
         pass
@@ -464,6 +469,16 @@ class AdaptiveK:
         if best == 0 and self.zero_streak >= self.probe_every:
             return 1
         return best
+
+    def zero_run(self) -> int:
+        """Rounds at K = 0 from this one on (called where `choose` gave 0): until the next probe, as
+        K = 0 rounds teach it no acceptance; all where the draft is never called; 1 in round 1
+        (round 2 reads round 0's drafts)."""
+        if not self.drafts_at_all or self.k_max == 0:
+            return UNBOUNDED
+        if self.rounds < 2:
+            return 1
+        return max(1, self.probe_every - self.zero_streak)
 
     def observe(self, outcome: RoundOutcome) -> None:
         self.own = max(1, len(outcome.drafts))

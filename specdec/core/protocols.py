@@ -42,6 +42,11 @@ class Deadline:
 NO_DEADLINE = Deadline(None)
 
 
+# Most decode steps (VerifyRequest.decode_uniforms) a target runs for one sequence in one call: its
+# time on the model thread, 64 steps, as a few prompt chunks take.
+MAX_DECODE_STEPS = 64
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     cache_key: str  # the model service's KV-cache key ("" = no cache)
@@ -80,6 +85,10 @@ class VerifyRequest:
     draft_token_ids: list[int]
     hidden_from: int | None = None  # also return final hidden states from this position on
     sequence: int = 0  # as DraftRequest.sequence
+    # Decode steps (no drafts): the target samples a token per uniform from its own laws and runs on
+    # from it, stopping after one of stop_token_ids; the tokens come back, not the laws.
+    decode_uniforms: tuple[float, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class VerifyResult:
     hidden: np.ndarray | None = None  # [len(prefix) + K - hidden_from, H], when asked
     step_sequences: int = 1  # sequences in the batched forward it ran in, itself included
     step_rows: int = 0  # new rows of all those sequences (0: not reported)
+    decoded_token_ids: tuple[int, ...] = ()  # with decode_uniforms: the tokens sampled (target_probs empty)
 
 
 class Drafter(Protocol):

@@ -15,7 +15,7 @@ from typing import ClassVar
 import grpc
 
 from specdec.core.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
-from specdec.core.protocols import Deadline
+from specdec.core.protocols import MAX_DECODE_STEPS, Deadline
 from specdec.models.layouts import AUTO, LAYOUTS
 from specdec.rpc.logs import check_log_format
 from specdec.rpc.metrics import STEP_SEQUENCES_BUCKETS, Registry
@@ -178,6 +178,7 @@ def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: s
         role=role,
         hidden_size=runner.hidden_size,
         needs_target_hidden_states=runner.needs_target_hidden,
+        max_decode_steps=MAX_DECODE_STEPS if role == "target" else 0,
     )
 
 

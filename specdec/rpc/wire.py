@@ -193,6 +193,8 @@ def verify_request(requests: list[VerifyRequest], sampling: Sampling) -> target_
                 prefix_token_ids=r.prefix_token_ids,
                 draft_token_ids=r.draft_token_ids,
                 hidden_states_from=r.hidden_from,
+                decode_uniforms=r.decode_uniforms,
+                stop_token_ids=sorted(r.stop_token_ids) if r.decode_uniforms else (),
             )
             for r in requests
         ],
@@ -204,11 +206,12 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
     return target_pb2.VerifyResponse(
         verifications=[
             target_pb2.Verification(
-                target_probs=encode_probs(r.target_probs),
+                target_probs=None if r.decoded_token_ids else encode_probs(r.target_probs),
                 cached_tokens=r.cached_tokens,
                 hidden_states=encode_hidden_states(r.hidden) if r.hidden is not None else None,
                 step_sequences=r.step_sequences,
                 step_rows=r.step_rows,
+                decoded_token_ids=r.decoded_token_ids,
             )
             for r in results
         ]
@@ -222,11 +225,19 @@ def _hidden(tensor: common_pb2.ProbTensor) -> np.ndarray:
     return hidden
 
 
+_NO_LAWS = np.empty((0, 0), np.float32)  # a decode-steps result's target_probs
+
+
 def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[VerifyResult]:
     """ValueError when a tensor is inconsistent. (How many laws each needs, K + 1, the engine
     checks: it knows K.)"""
     results = []
     for v in response.verifications:
+        if v.decoded_token_ids:  # decode steps: tokens, no laws
+            decoded = tuple(v.decoded_token_ids)
+            step = (max(1, v.step_sequences), max(0, v.step_rows))
+            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded_token_ids=decoded))
+            continue
         laws = decode_probs(v.target_probs)
         if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:
             raise ValueError(f"target_probs has shape {list(laws.shape)}, expected [K + 1, vocabulary]")

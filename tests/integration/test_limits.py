@@ -126,6 +126,30 @@ def test_model_services_refuse_cache_keys_over_128_bytes(tiny_stack):
             assert err.value.code() == INVALID and field in err.value.details() and "128" in err.value.details()
 
 
+def test_the_target_runs_decode_steps_and_refuses_those_it_cannot_run_storing_nothing(tiny_stack, tiny_loaded):
+    cache = tiny_loaded["target"].runner.cache
+    with grpc.insecure_channel(tiny_stack.target_address) as channel:
+        target = target_pb2_grpc.TargetServiceStub(channel)
+        (done,) = target.Verify(_verify(cache_key="steps-ok", decode_uniforms=[0.5] * 5), timeout=30).verifications
+        assert len(done.decoded_token_ids) == 5 and not done.HasField("target_probs")
+        assert cache.token_ids("steps-ok")[:2] == [1, 2]
+        cases = [
+            (dict(draft_token_ids=[3]), "K = 0"),
+            (dict(hidden_states_from=0), "K = 0"),
+            (dict(decode_uniforms=[0.5] * 65), "limit is 64"),
+            (dict(decode_uniforms=[0.2, 1.0]), "[0, 1)"),
+            (dict(decode_uniforms=[-0.1]), "[0, 1)"),
+            (dict(decode_uniforms=[float("nan")]), "[0, 1)"),
+            (dict(decode_uniforms=[0.5], stop_token_ids=[8]), "stop_token_ids"),
+            (dict(decode_uniforms=[0.5] * 64), "positions"),  # 2 + 63 > the tiny model's 64
+        ]
+        for fields, named in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                target.Verify(_verify(cache_key="steps-bad", **({"decode_uniforms": [0.5]} | fields)), timeout=30)
+            assert err.value.code() == INVALID and named in err.value.details(), (fields, err.value.details())
+        assert cache.token_ids("steps-bad") is None
+
+
 # ---------------------------------------------------------------- work whose caller has gone
 
 

@@ -125,3 +125,25 @@ def test_auto_k_samples_follow_target_law(coordinator_stub, tiny_loaded, record_
     assert drafted == 2 * total, fit.summary  # K = 2 in round 0, K = 0 after it
     assert recovered > total * 0.3, fit.summary  # many samples had room to draft again, and did not
     assert fit.p_value > SIGNIFICANCE, fit.summary
+
+
+def test_k0_decode_steps_follow_target_law(tiny_stack, coordinator_stub, tiny_loaded, record_property):
+    """K = 0 through the services, where the target samples the rounds after the first itself
+    (DECODE_STEPS, 4 by default: here rounds 1 and 2 in one call) from the coordinator's uniforms.
+
+    Power as the batched law tests': ~270 bins with expected counts >= 5 at n = 14000, a law at
+    total-variation distance 0.05 rejected with probability >= 0.9 from n = 11830 on (asserted as
+    total >= needed)."""
+    total, sampling = 14_000, Sampling(1.0)
+    registry = tiny_stack.servers[0].registry
+    calls_before = registry.value("specdec_verify_calls_total")
+    law = exact_sequence_law(tiny_loaded["target"].runner.model, PROMPT, LENGTH, sampling)
+    counts, drafted, accepted, recovered = sample_counts(
+        coordinator_stub, PROMPT, LENGTH, 0, sampling, total, LENGTH, seed=zlib.crc32(b"K0-steps") % 997
+    )
+    fit = fit_to_law("K0-decode-steps", counts, law, SIGNIFICANCE, drafted, accepted, recovered)
+    record_property("summary", fit.summary)
+    requests = -(-total // 4096)
+    assert registry.value("specdec_verify_calls_total") - calls_before == 2 * requests  # not 3: steps ran
+    assert total >= fit.needed, fit.summary
+    assert fit.p_value > SIGNIFICANCE, fit.summary

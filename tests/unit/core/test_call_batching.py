@@ -1,11 +1,12 @@
 """`BatchingVerifier`: concurrent callers' Verify calls as one call, each caller its own results and
-errors, samplings apart, waits bounded."""
+errors, samplings (and decode steps) apart, waits bounded."""
 
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -105,6 +106,24 @@ def test_samplings_never_share_a_call():
         assert all(len(r) == 1 for r in threads.map(one, range(4)))
     for keys, sampling in pool.calls:
         assert {int(k[1:]) % 2 for k in keys} == {int(sampling.temperature - 0.5)}
+
+
+def test_calls_of_other_decode_steps_never_share_a_call():
+    """A one-step caller merged with a decode-steps one would wait out all its steps."""
+    pool = FakePool()
+    batcher = BatchingVerifier(pool, wait_s=0.05)
+    start = threading.Barrier(4)
+
+    def one(i):
+        start.wait()
+        request = replace(_request(f"k{i}"), decode_uniforms=(0.5,) * (1 + 3 * (i % 2)))
+        return batcher.verify([request], Sampling(1.0), NO_DEADLINE)
+
+    with ThreadPoolExecutor(4) as threads:
+        assert all(len(r) == 1 for r in threads.map(one, range(4)))
+    assert len(pool.calls) >= 2
+    for keys, _ in pool.calls:
+        assert len({int(k[1:]) % 2 for k in keys}) == 1, pool.calls
 
 
 def test_an_error_stays_with_the_request_it_concerns():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -521,3 +522,97 @@ def test_check_laws_refuses_rows_that_do_not_sum_to_one():
     laws[1, 0] += 2e-4
     with pytest.raises(ServiceError, match="do not sum to 1"):
         check_laws("draft", laws)
+
+
+# ------------------------------------------------------------------ decode steps (K = 0 stretches in one call)
+
+
+class CountingVerifier:
+    """The tiny target's LocalVerifier, recording each call's decode steps per sequence."""
+
+    def __init__(self, verifier):
+        self.verifier, self.calls = verifier, []
+
+    def verify(self, requests, sampling, deadline):
+        self.calls.append([len(r.decode_uniforms) for r in requests])
+        return self.verifier.verify(requests, sampling, deadline)
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(1.0), Sampling(0.8, top_k=3, top_p=0.9), Sampling(0.0)], ids=["T1", "topk-topp", "greedy"]
+)
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_decode_steps_give_the_tokens_of_one_call_a_round(local_pair, sampling, num_samples):
+    """The target draws each step's token at the uniform the coordinator's own K = 0 round would
+    draw: the same tokens, EOS and stop strings cutting where they cut, in fewer calls."""
+    drafter, verifier = local_pair
+    ended, calls, rounds, longest = set(), 0, 0, 0
+    for seed in range(6):
+        spec = dict(
+            num_speculative_tokens=0, seed=seed, sampling=sampling, num_samples=num_samples, max_new_tokens=23
+        )
+        stops = dict(eos_token_ids=frozenset({3}), stop=("ca",)) if seed % 2 else {}
+        one, one_stats, _ = _run(drafter, verifier, **spec, **stops)
+        counted = CountingVerifier(verifier)
+        steps, stats, events = _run(drafter, counted, **spec, **stops, decode_steps=4)
+        assert [s.generated for s in steps] == [s.generated for s in one]
+        assert [s.finish_reason for s in steps] == [s.finish_reason for s in one]
+        assert stats.rounds == one_stats.rounds and stats.emitted_tokens == one_stats.emitted_tokens
+        assert counted.calls[0] == [0] * num_samples  # the prompt's round: its first token alone
+        calls, rounds = calls + len(counted.calls), rounds + one_stats.rounds
+        longest = max(longest, *(max(c) for c in counted.calls))
+        ended |= {s.finish_reason for s in one}
+    assert longest == 4 and calls < rounds / 2.5
+    if not sampling.greedy:
+        assert ended > {FINISH_LENGTH}, ended  # EOS or a stop string came inside some stretch
+
+
+def test_decode_steps_keep_the_seeded_stream_of_rounds_for_a_resumed_generation(local_pair):
+    drafter, verifier = local_pair
+    whole, _, _ = _run(drafter, verifier, num_speculative_tokens=0, max_new_tokens=14, decode_steps=4)
+    spec = GenerationSpec([1, 2, 3], 14, Sampling(1.0), 5, 0, decode_steps=4)
+    engine = SpeculativeEngine(drafter, verifier, _decode)
+    samples, stats = new_samples(spec), Stats()
+    events = engine.run(spec, samples, stats, NO_DEADLINE)
+    first, second = next(events), next(events)  # the prompt's round, then rounds 1..4 in one call
+    assert (first.round_index, second.round_index) == (0, 4)
+    events.close()
+    resumed = [replace(samples[0], context=list(samples[0].context), generated=list(samples[0].generated))]
+    list(engine.run(spec, resumed, Stats(), NO_DEADLINE, first_round=second.round_index + 1))
+    assert resumed[0].generated == whole[0].generated
+
+
+def test_auto_k_plays_its_k0_rounds_until_the_next_probe_in_one_call(local_pair):
+    """A drafter that never proposes: auto K settles at K = 0 and plays each stretch up to its next
+    probe in one call, the probes still asking the draft; greedy output stays the target's."""
+    _, verifier = local_pair
+    asked = []
+    drafter = PointMassDrafter(lambda r: asked.append(r.num_draft_tokens) or [])
+    alone, _, _ = _run(drafter, verifier, sampling=Sampling(0.0), num_speculative_tokens=0, max_new_tokens=60)
+    counted = CountingVerifier(verifier)
+    auto, stats, _ = _run(
+        drafter, counted, sampling=Sampling(0.0), num_speculative_tokens=4, auto_k=True, max_new_tokens=60,
+        decode_steps=8,
+    )
+    assert auto[0].generated == alone[0].generated and stats.rounds == 60
+    assert len(asked) >= 3  # round 0, then the probes
+    # (How soon it settles depends on measured timings; that it does, and plays 8 rounds a call.)
+    assert max(c[0] for c in counted.calls) == 8 and len(counted.calls) < 50
+
+
+@pytest.mark.parametrize(
+    "decoded, message",
+    [((), "0 decoded tokens for 4"), ((1, 1, 1, 1, 1), "5 decoded tokens for 4"), ((1, 2), "2 decoded tokens for 4")],
+)
+def test_a_target_that_decodes_other_steps_than_asked_is_a_clear_error(decoded, message):
+    def make(request):
+        if request.decode_uniforms:
+            return VerifyResult(np.empty((0, 0), np.float32), decoded_token_ids=decoded)
+        return VerifyResult(np.stack([_one_hot(1)]))
+
+    class Decoding(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            return [make(r) for r in requests]
+
+    with pytest.raises(ServiceError, match=message):
+        _run(FakeDrafter(lambda r: ([], None)), Decoding(None), num_speculative_tokens=0, decode_steps=4)
