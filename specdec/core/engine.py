@@ -243,47 +243,59 @@ class SpeculativeEngine:
                 draft_curve=spec.draft_costs,
                 draft_lookup=spec.draft_lookup,
                 recorded=record.verdict(k_max, spec.verify_costs) if spec.draft_costs else None,
+                decodes=spec.decode_steps > 1,
             )
         drafter, verifier = self.drafter, self.verifier
         if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all and not policy.lookup_only:
             # (A policy that never drafts, or drafts by lookup alone, would only make every Verify
             # return hidden states.)
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
+            policy.decodes = False  # (the relay's K = 0 rounds are Verifies of their own: `_decode_steps`)
         round_index, outcomes = first_round, []
         while running := [s for s in samples if s.running]:
             k = policy.choose()
-            steps = self._decode_steps(spec, policy, k, round_index == first_round, verifier is self.verifier)
+            steps = self._decode_steps(spec, policy, k, round_index == first_round, verifier is not self.verifier)
             if steps > 1:
                 event, played = self._decode(verifier, spec, running, steps, round_index, stats, deadline)
-                for outcome in played:
-                    outcomes.append(outcome)
-                    policy.observe(outcome)
-                if spec.draft_costs and not any(s.running for s in samples):
-                    record.add(outcomes)
-                yield event
-                round_index = event.round_index + 1
-                continue
-            drafts, draft_s = self._propose(
-                drafter, spec, running, k, round_index, stats, deadline, lookup_only=policy.lookup_only
-            )
-            if drafts is None:  # the draft failed or is backing off: this round is target-only
-                k, drafts = 0, [_Draft() for _ in running]
-            started = time.perf_counter()
-            event, results, step = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
-            # The policy prices the Verify with the accept/reject work on its laws: both grow with
-            # the round's rows (a drafted row's laws cost ~0.1 ms here beside its ~1.3 ms forward).
-            verify_s = time.perf_counter() - started
-            counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
-            rows = 1 + max(drafted for drafted, _ in counts)
-            drawn = [bool(d.tokens) and not d.point_mass for d in drafts]
-            outcomes.append(RoundOutcome(k, draft_s, verify_s, rows, counts, *step, model_drawn=drawn))
-            policy.observe(outcomes[-1])
+            else:
+                event, played = self._round(
+                    drafter, verifier, spec, running, k, round_index, stats, deadline, policy.lookup_only
+                )
+            for outcome in played:
+                outcomes.append(outcome)
+                policy.observe(outcome)
             if spec.draft_costs and not any(s.running for s in samples):
                 # Before the last yield: a caller need not ask past it. (A model draft's curve: what
                 # the record is for.)
                 record.add(outcomes)
             yield event
             round_index = event.round_index + 1
+
+    def _round(
+        self,
+        drafter: Drafter,
+        verifier: Verifier,
+        spec: GenerationSpec,
+        running: list[Sample],
+        k: int,
+        round_index: int,
+        stats: Stats,
+        deadline: Deadline,
+        lookup_only: bool,
+    ) -> tuple[RoundEvent, list[RoundOutcome]]:
+        """One round: Propose (up to k tokens a sample), Verify, accept/reject; its event and outcome."""
+        drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline, lookup_only)
+        if drafts is None:  # the draft failed or is backing off: this round is target-only
+            k, drafts = 0, [_Draft() for _ in running]
+        started = time.perf_counter()
+        event, results, step = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
+        # The policy prices the Verify with the accept/reject work on its laws: both grow with
+        # the round's rows (a drafted row's laws cost ~0.1 ms here beside its ~1.3 ms forward).
+        verify_s = time.perf_counter() - started
+        counts = [(len(d.tokens), len(r.accepted_tokens)) for d, r in zip(drafts, results, strict=True)]
+        rows = 1 + max(drafted for drafted, _ in counts)
+        drawn = [bool(d.tokens) and not d.point_mass for d in drafts]
+        return event, [RoundOutcome(k, draft_s, verify_s, rows, counts, *step, model_drawn=drawn)]
 
     # ------------------------------------------------------------ one round
 
@@ -395,11 +407,11 @@ class SpeculativeEngine:
         return RoundEvent(round_index, new_tokens), outcomes, _step_share(requests, results)
 
     @staticmethod
-    def _decode_steps(spec: GenerationSpec, policy, k: int, first: bool, plain: bool) -> int:
+    def _decode_steps(spec: GenerationSpec, policy, k: int, first: bool, relayed: bool) -> int:
         """Rounds of a K = 0 stretch to play in one call: the policy's own run of K = 0 rounds (until
         its next probe), at most spec.decode_steps; 1 in a request's first round (its prompt: the
         first token goes out alone) and through the hidden-state relay (a draft's catch-up)."""
-        if k or first or not plain or spec.decode_steps <= 1:
+        if k or first or relayed or spec.decode_steps <= 1:
             return 1
         return max(1, min(spec.decode_steps, policy.zero_run()))
 
@@ -446,7 +458,7 @@ class SpeculativeEngine:
                 stats.count(0, RoundResult([], None, token))
             new_tokens[sample.index] = self._append(spec, sample, tokens)
         share = _step_share(requests, results)
-        outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share)
+        outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
         return RoundEvent(round_index + steps - 1, new_tokens), [outcome] * played
 
     @staticmethod

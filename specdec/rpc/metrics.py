@@ -284,10 +284,12 @@ class GenerationMetrics:
         )
         self.inter_token = registry.histogram(
             "specdec_inter_token_latency_seconds",
-            "seconds between a request's consecutive rounds that produced tokens (one streamed chunk each)",
+            "seconds between a request's consecutive chunks of tokens (a round's, or a call's decode steps')",
         )
         self.draft_s = registry.histogram("specdec_round_draft_seconds", "seconds of a round's Propose call")
-        self.verify_s = registry.histogram("specdec_round_verify_seconds", "seconds of a round's Verify call")
+        self.verify_s = registry.histogram(
+            "specdec_round_verify_seconds", "seconds of a round's Verify call (of all its decode steps)"
+        )
         self.tokens_per_round = registry.histogram(
             "specdec_tokens_per_round", "tokens one sequence gained in one round", (), TOKENS_PER_ROUND_BUCKETS
         )

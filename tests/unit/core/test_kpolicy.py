@@ -433,3 +433,26 @@ def test_the_record_halves_its_counts_past_its_half_life():
     before = sum(record.offered.values())
     _recorded_request(record, 0.5, 0.003, rounds=20)
     assert sum(record.offered.values()) < before
+
+
+def test_k0_rounds_played_as_decode_steps_are_priced_at_their_share_of_the_call():
+    """A draft accepted a third of the time, a 2-row Verify 9 ms and a 1-row one 8 ms: drafting 1
+    pays (1.33 tokens / 9 ms against 1 / 8 ms). K = 0 rounds played as decode steps cost 6 ms each
+    (no round trip of their own): K = 0 now pays more, and a draft that proposed nothing is still
+    priced as the 8 ms Verify it paid."""
+
+    def policy(decoded_s: float | None) -> AdaptiveK:
+        p = AdaptiveK(1, start_k=1)
+        p.observe(RoundOutcome(1, 0.0, 0.02, 2, [(1, 0)]))  # round 0: prefill timings, not kept
+        p.observe(RoundOutcome(0, 0.0, 0.008, 1, [(0, 0)]))
+        for i in range(30):
+            p.observe(RoundOutcome(1, 0.0001, 0.009, 2, [(1, int(i % 3 == 0))]))
+        if decoded_s is not None:
+            for _ in range(4):
+                p.observe(RoundOutcome(0, 0.0, decoded_s, 1, [(0, 0)], decoded=True))
+        return p
+
+    assert policy(None).choose() == 1
+    decoded = policy(0.006)
+    assert decoded.choose() == 0 and decoded.verify_cost(1) == pytest.approx(0.008)
+    assert decoded.zero_run() == decoded.probe_every - 4
