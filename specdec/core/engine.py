@@ -107,7 +107,7 @@ class Sample:
 
 @dataclass
 class Stats:
-    rounds: int = 0  # Propose/Verify rounds (all samples of a round count once)
+    rounds: int = 0  # rounds played (all samples of a round count once; a decode-steps call plays several)
     sample_rounds: int = 0  # rounds summed over samples: what tokens per round divides by
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -271,6 +271,8 @@ class SpeculativeEngine:
             yield event
             round_index = event.round_index + 1
 
+    # ------------------------------------------------------------ one round
+
     def _round(
         self,
         drafter: Drafter,
@@ -296,8 +298,6 @@ class SpeculativeEngine:
         rows = 1 + max(drafted for drafted, _ in counts)
         drawn = [bool(d.tokens) and not d.point_mass for d in drafts]
         return event, [RoundOutcome(k, draft_s, verify_s, rows, counts, *step, model_drawn=drawn)]
-
-    # ------------------------------------------------------------ one round
 
     @staticmethod
     def _num_draft_tokens(spec: GenerationSpec, sample: Sample, k: int) -> int:

@@ -456,8 +456,8 @@ class AdaptiveK:
         reach, costs = self.reach(), self._verify_costs()
         out, shorter, drafted = [], 0.0, 0.0  # shorter: the cost of rounds whose draft stopped before K
         zero = costs[0] * (DECODE_PRIOR if self.decodes else 1.0)
-        if self.decoded_rounds:
-            zero = self.decoded_s / self.decoded_rounds
+        if self.decoded_rounds:  # never above a Verify of its own: a share of one call without its round trip
+            zero = min(self.decoded_s / self.decoded_rounds, costs[0])
         for k in range(self.k_max + 1):
             verify = (shorter + reach[k] * costs[k] if k else zero) + self.overhead_s
             draft = per_ask + drafted * per_token if k else 0.0

@@ -93,34 +93,34 @@ def test_the_callers_of_a_batch_come_back_into_one_batch():
     assert sum(len(c) for c in later) >= 12 and max(len(c) for c in later) == 4, pool.calls
 
 
-def test_samplings_never_share_a_call():
+def _four_callers(call) -> FakePool:
+    """Four callers at once, caller i sending `call(i)` = (its request, its sampling); the pool's calls."""
     pool = FakePool()
     batcher = BatchingVerifier(pool, wait_s=0.05)
     start = threading.Barrier(4)
 
     def one(i):
         start.wait()
-        return batcher.verify([_request(f"k{i}")], Sampling(0.5 + i % 2), NO_DEADLINE)
+        return batcher.verify([call(i)[0]], call(i)[1], NO_DEADLINE)
 
     with ThreadPoolExecutor(4) as threads:
         assert all(len(r) == 1 for r in threads.map(one, range(4)))
+    return pool
+
+
+def test_samplings_never_share_a_call():
+    pool = _four_callers(lambda i: (_request(f"k{i}"), Sampling(0.5 + i % 2)))
     for keys, sampling in pool.calls:
         assert {int(k[1:]) % 2 for k in keys} == {int(sampling.temperature - 0.5)}
 
 
 def test_calls_of_other_decode_steps_never_share_a_call():
     """A one-step caller merged with a decode-steps one would wait out all its steps."""
-    pool = FakePool()
-    batcher = BatchingVerifier(pool, wait_s=0.05)
-    start = threading.Barrier(4)
 
-    def one(i):
-        start.wait()
-        request = replace(_request(f"k{i}"), decode_uniforms=(0.5,) * (1 + 3 * (i % 2)))
-        return batcher.verify([request], Sampling(1.0), NO_DEADLINE)
+    def call(i):  # callers 1 and 3 ask for 4 steps, 0 and 2 for one
+        return replace(_request(f"k{i}"), decode_uniforms=(0.5,) * (1 + 3 * (i % 2))), Sampling(1.0)
 
-    with ThreadPoolExecutor(4) as threads:
-        assert all(len(r) == 1 for r in threads.map(one, range(4)))
+    pool = _four_callers(call)
     assert len(pool.calls) >= 2
     for keys, _ in pool.calls:
         assert len({int(k[1:]) % 2 for k in keys}) == 1, pool.calls
