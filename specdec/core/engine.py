@@ -20,7 +20,7 @@ import numpy as np
 from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import InconsistentDraftError, ServiceError
 from specdec.core.hidden import HiddenStateRelay
-from specdec.core.kpolicy import AdaptiveK, DraftRecord, FixedK, RoundOutcome
+from specdec.core.kpolicy import AdaptiveK, DecodeRecord, DraftRecord, FixedK, RoundOutcome
 from specdec.core.protocols import (
     Deadline,
     Drafter,
@@ -225,6 +225,7 @@ class SpeculativeEngine:
         # What every request's rounds showed of the draft's model; greedy and sampled requests apart
         # (a greedy draft is accepted where its argmax is the target's: another rate).
         self.records = {True: DraftRecord(), False: DraftRecord()}
+        self.decode_record = DecodeRecord()  # what auto K's decode steps cost against a Verify here
 
     def run(
         self, spec: GenerationSpec, samples: list[Sample], stats: Stats, deadline: Deadline, first_round: int = 0
@@ -244,6 +245,7 @@ class SpeculativeEngine:
                 draft_lookup=spec.draft_lookup,
                 recorded=record.verdict(k_max, spec.verify_costs) if spec.draft_costs else None,
                 decodes=spec.decode_steps > 1,
+                decode_prior=self.decode_record.prior(),
             )
         drafter, verifier = self.drafter, self.verifier
         if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all and not policy.lookup_only:
@@ -264,10 +266,11 @@ class SpeculativeEngine:
             for outcome in played:
                 outcomes.append(outcome)
                 policy.observe(outcome)
-            if spec.draft_costs and not any(s.running for s in samples):
-                # Before the last yield: a caller need not ask past it. (A model draft's curve: what
-                # the record is for.)
-                record.add(outcomes)
+            if not any(s.running for s in samples):  # before the last yield: a caller need not ask past it
+                if spec.draft_costs:  # (a model draft's curve: what the record is for)
+                    record.add(outcomes)
+                if spec.auto_k and policy.decodes:
+                    self.decode_record.add(outcomes)
             yield event
             round_index = event.round_index + 1
 

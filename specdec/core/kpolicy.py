@@ -69,8 +69,8 @@ class RoundOutcome:
 
 
 UNBOUNDED = 1 << 30  # a run of K = 0 rounds with no end (`zero_run`)
-# A K = 0 round played as a decode step against a Verify of its own, until measured: 0.85-0.9 in
-# process (no transport), ~0.75 served (a round trip of ~2.5 ms saved from ~11 ms) on 2 CPU cores.
+# A K = 0 round played as a decode step against a Verify of its own, before any is measured (in a
+# request or its engine's `DecodeRecord`): 0.85-0.9 in process, ~0.7 served on 2 CPU cores.
 DECODE_PRIOR = 0.85
 OTHERS_SMOOTHING = 0.3  # weight of the latest round in the batch estimate: streams come and go
 # Others' rows per sequence beyond any Verify's: a prompt's forward shared the step. Its cost is
@@ -199,6 +199,33 @@ class DraftRecord:
         return best
 
 
+class DecodeRecord:
+    """What a K = 0 round played as a decode step cost against a Verify of its own, as finished
+    auto-K requests measured it, pooled per engine: the new request's price of K = 0 before it has
+    chosen any (it learns that cost only by choosing K = 0, and a price too high keeps it asking the
+    draft round after round). The ratio is the deployment's (the transport a Verify pays: ~0.85 in
+    process, ~0.7 served on 2 CPU cores), so an average of the latest requests serves."""
+
+    GAIN = 0.2  # weight of the latest request in the average
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.ratio: float | None = None
+
+    def add(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """A finished request's rounds (the first, its prompt's, not read)."""
+        single = [o.verify_s for o in outcomes[1:] if o.rows == 1 and not o.decoded and not o.others]
+        decoded = [o.verify_s for o in outcomes[1:] if o.decoded and not o.others]
+        if not single or not decoded:
+            return
+        ratio = min(1.0, (sum(decoded) / len(decoded)) / (sum(single) / len(single)))
+        with self._lock:
+            self.ratio = ratio if self.ratio is None else self.ratio + self.GAIN * (ratio - self.ratio)
+
+    def prior(self) -> float:
+        return DECODE_PRIOR if self.ratio is None else self.ratio
+
+
 class StepFit:
     """A Verify's seconds in a shared step as mean + b_seq (S - mean S) + b_row (R - mean R), S the
     step's sequences and R its rows, by least squares over running sums. Both slopes are shrunk, by
@@ -244,6 +271,7 @@ class FixedK:
 
     drafts_at_all = True
     lookup_only = False  # an explicit K with a hybrid draft: its model serves where its lookup cannot
+    decodes = False  # (read for auto K's record only)
 
     def __init__(self, k: int):
         self.k = k
@@ -274,7 +302,8 @@ class AdaptiveK:
     whatever the model costs, and where the model cannot pay it asks for the lookup alone
     (`lookup_only`). `recorded`: a `DraftRecord`'s verdict on the model from earlier requests (False:
     it cannot pay, whatever the curves say). `decodes`: the engine plays K = 0 rounds as decode steps,
-    which cost less than a Verify of their own (DECODE_PRIOR of one until some are measured).
+    which cost less than a Verify of their own (`decode_prior` of one until some are measured: a
+    `DecodeRecord`'s).
     """
 
     def __init__(
@@ -292,6 +321,7 @@ class AdaptiveK:
         draft_lookup: bool = False,
         recorded: bool | None = None,
         decodes: bool = False,
+        decode_prior: float = DECODE_PRIOR,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -304,6 +334,7 @@ class AdaptiveK:
         self.default_draft_ratio = default_draft_ratio
         self.overhead_s = overhead_s
         self.decodes = decodes  # K = 0 rounds are played as decode steps (`zero_run`)
+        self.decode_prior = decode_prior  # their cost against a 1-row Verify's, until measured
         # [r - 1]: the target's cost of a forward over r rows, any unit (only ratios are read).
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         # [r - 1]: the curve at r rows (extended past its end), for every length a round can verify
@@ -455,7 +486,7 @@ class AdaptiveK:
         # (up to K): K + 1 rows are paid only as often as its drafts reach K.
         reach, costs = self.reach(), self._verify_costs()
         out, shorter, drafted = [], 0.0, 0.0  # shorter: the cost of rounds whose draft stopped before K
-        zero = costs[0] * (DECODE_PRIOR if self.decodes else 1.0)
+        zero = costs[0] * (self.decode_prior if self.decodes else 1.0)
         if self.decoded_rounds:  # never above a Verify of its own: a share of one call without its round trip
             zero = min(self.decoded_s / self.decoded_rounds, costs[0])
         for k in range(self.k_max + 1):

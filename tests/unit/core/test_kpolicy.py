@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from specdec.core.kpolicy import (
+    DECODE_PRIOR,
     MIN_RECORDED_POSITIONS,
     RECORD_EXPLORE_EVERY,
     RECORD_HALF_LIFE,
     AdaptiveK,
+    DecodeRecord,
     DraftRecord,
     FixedK,
     RoundOutcome,
@@ -456,3 +458,24 @@ def test_k0_rounds_played_as_decode_steps_are_priced_at_their_share_of_the_call(
     decoded = policy(0.006)
     assert decoded.choose() == 0 and decoded.verify_cost(1) == pytest.approx(0.008)
     assert decoded.zero_run() == decoded.probe_every - 4
+
+
+def test_the_decode_record_prices_the_next_requests_k0_rounds_by_what_earlier_ones_measured():
+    record = DecodeRecord()
+    assert record.prior() == DECODE_PRIOR
+    prompt = RoundOutcome(2, 0.01, 0.05, 3, [(2, 1)], decoded=False)  # round 0: not read
+    alone = [prompt, RoundOutcome(0, 0.0, 0.010, 1, [(0, 0)])] + [
+        RoundOutcome(0, 0.0, 0.007, 1, [(0, 0)], decoded=True) for _ in range(4)
+    ]
+    record.add(alone)
+    assert record.prior() == pytest.approx(0.7)
+    record.add([prompt, RoundOutcome(0, 0.0, 0.010, 1, [(0, 0)])])  # no decode steps: nothing learnt
+    in_company = [RoundOutcome(0, 0.0, 0.02, 1, [(0, 0)], 7, 8, 1, decoded=True) for _ in range(3)]
+    record.add([prompt, *alone[1:2], *in_company])  # a batched step's share says nothing of transport
+    step = RoundOutcome(0, 0.0, 0.009, 1, [(0, 0)], decoded=True)
+    record.add([prompt, RoundOutcome(0, 0.0, 0.010, 1, [(0, 0)]), step])
+    assert record.prior() == pytest.approx(0.7 + 0.2 * (0.9 - 0.7))
+    priced = AdaptiveK(1, decodes=True, decode_prior=record.prior())
+    priced.observe(prompt)
+    priced.observe(RoundOutcome(0, 0.0, 0.010, 1, [(0, 0)]))
+    assert priced.tokens_per_second()[0] == pytest.approx(1 / (0.010 * record.prior()))
