@@ -352,11 +352,11 @@ class AdaptiveK:
         self.empty_s = 0.0  # seconds of the Proposes that drafted nothing
         self.empty_calls = 0
         self.verify_sum: dict[int, float] = {}  # rows -> summed seconds
+        self.verify_count: dict[int, int] = {}
         # K = 0 rounds played as decode steps: a round's share of its call, without the round trip
         # a Verify of its own pays (a draft that proposed nothing still pays it: verify_sum[1])
         self.decoded_s = 0.0
         self.decoded_rounds = 0
-        self.verify_count: dict[int, int] = {}
         self.rounds = 0
         self.zero_streak = 0  # consecutive rounds the model chose K = 0
         self.own = 1  # this request's sequences per round
