@@ -126,6 +126,9 @@ class _Task:
     item: StepItem | None = None  # the next item (None until primed on the model thread)
     chunk: StepItem | None = None  # this step runs only a leading part of the item's prompt
     done: bool = False  # finished or failed (then removed from the scheduler's list)
+    # It has stepped and steps on in the same call (decode steps, a prompt's chunks): it is company
+    # for a step, not a call waiting for some.
+    continuing: bool = False
 
 
 @dataclass
@@ -343,7 +346,7 @@ class StepScheduler:
         with self._cond:
             waiting = self._tasks or self._incoming  # both lists are oldest first
             until = self.wait_until(waiting[0].admitted_at) if waiting else None
-            if until is None or self._fills_a_step():
+            if until is None or self._fills_a_step() or self._steps_on():
                 return
             slack = max(self.limits.batch_wait_s, self.limits.batch_wait_share * self._step_s)
             expected = self._company.expected(time.monotonic(), until, slack)
@@ -360,6 +363,14 @@ class StepScheduler:
                     waited = True
                     self._cond.wait(left)
             self.stats.company_waits += waited
+
+    def _steps_on(self) -> bool:
+        """Whether a task is in the middle of its call: a step that carries a stream whose next
+        tokens the target samples itself (decode steps) does not stop for an absent one, which
+        joins the step after it comes back (8 streams with decode steps: the model thread waited
+        for company 20% of its time; without these waits 278 / 346 tok/s against 269, ITL p99
+        98 / 82 against 165 ms)."""
+        return any(task.continuing for task in self._tasks)
 
     def _fills_a_step(self) -> bool:
         """Whether the waiting tasks' rows alone reach a step's token budget (a `num_samples` call
@@ -470,8 +481,10 @@ class StepScheduler:
                 self._fail(task, result)
             elif task.chunk is not None:
                 task.chunk = None  # the prompt's part is cached now; the item runs on from there
+                task.continuing = True
             else:
                 by_call.setdefault(task.call, []).append((task, result))
+                task.continuing = True  # (if its call's next item follows: `_advance`)
         with one_thread():  # each delivery wakes a caller on another core (`threads.one_thread`)
             for call, done in by_call.items():
                 self._deliver(call, done)

@@ -249,3 +249,29 @@ def test_close_ends_a_wait_for_company():
     assert s.close() is True
     assert isinstance(join()[1], Unavailable)
     assert time.monotonic() - started < 10
+
+
+def test_a_step_that_carries_a_call_stepping_on_waits_for_nobody():
+    """Decode steps: "b"'s call of 6 steps runs while stream "a" comes back every ~45 ms. Its first
+    step may wait for "a" (a call just arrived); the next ones do not (they would wait up to a
+    step each time "a" is due), and "a" joins whichever step follows its arrival."""
+    runner = FakeRunner()
+    runner.step_s = 0.03
+    s = StepScheduler(runner, SchedulerLimits(batch_wait_s=0.002, batch_wait_share=1.0))
+    stop = threading.Event()
+
+    def stream():
+        while not stop.is_set():
+            s.run([("a", session_task("a"))])
+            time.sleep(0.015)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    time.sleep(0.5)  # a's cadence is learned
+    waits = s.stats.company_waits
+    s.run([("b", session_task("b", steps=6))])
+    waits = s.stats.company_waits - waits  # (without the rule: 6, one a step)
+    stop.set()
+    thread.join(10)
+    assert waits <= 1, s.stats
+    assert any(step == ["a", "b"] for step in (sorted(x) for x in runner.sessions())), runner.sessions()
