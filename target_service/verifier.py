@@ -85,7 +85,8 @@ def verify_scheduled(
 ) -> list[VerifyResult]:
     """The sequences on the model's scheduler, batched with every other call's; none runs once
     `deadline` has passed (or the caller left) while it waited."""
-    return scheduler_for(runner).run(_tasks(requests), deadline, verify_laws(sampling))
+    steps_on = any(r.decode_uniforms for r in requests)  # decode steps do not wait for company
+    return scheduler_for(runner).run(_tasks(requests), deadline, verify_laws(sampling), steps_on)
 
 
 class LocalVerifier:

@@ -93,8 +93,9 @@ class SchedulerLimits:
 class _Call:
     """One caller's tasks: their results in order, or the first error."""
 
-    def __init__(self, count: int, deadline: Deadline, prepare: Prepare | None):
+    def __init__(self, count: int, deadline: Deadline, prepare: Prepare | None, steps_on: bool = False):
         self.prepare = prepare
+        self.steps_on = steps_on  # its tasks, once stepped, are company (`StepScheduler.run`)
         self.results: list[Any] = [None] * count
         self.pending = count
         self.error: BaseException | None = None
@@ -126,8 +127,8 @@ class _Task:
     item: StepItem | None = None  # the next item (None until primed on the model thread)
     chunk: StepItem | None = None  # this step runs only a leading part of the item's prompt
     done: bool = False  # finished or failed (then removed from the scheduler's list)
-    # It has stepped and steps on in the same call (decode steps, a prompt's chunks): it is company
-    # for a step, not a call waiting for some.
+    # It has stepped and steps on in a call that asked so (decode steps): it is company for a step,
+    # not a call waiting for some.
     continuing: bool = False
 
 
@@ -267,13 +268,20 @@ class StepScheduler:
     # ------------------------------------------------------------ callers' side
 
     def run(
-        self, tasks: Sequence[SessionTask], deadline: Deadline = NO_DEADLINE, prepare: Prepare | None = None
+        self,
+        tasks: Sequence[SessionTask],
+        deadline: Deadline = NO_DEADLINE,
+        prepare: Prepare | None = None,
+        steps_on: bool = False,
     ) -> list[Any]:
         """The results of one call's tasks, in order; raises the first error of any of them.
-        `prepare`: what the tasks receive instead of their LogitsResults (per step, all at once)."""
+        `prepare`: what the tasks receive instead of their LogitsResults (per step, all at once).
+        `steps_on`: its tasks, after their first step, are company rather than calls waiting for
+        some (decode steps: `_steps_on`); a draft's steps keep waiting, which keeps concurrent
+        streams' Proposes, and so their Verifies, in step."""
         if not tasks:
             return []
-        call = _Call(len(tasks), deadline, prepare)
+        call = _Call(len(tasks), deadline, prepare, steps_on)
         self._admit(tasks, call)
         call.done.wait()
         if call.error is not None:
@@ -365,8 +373,8 @@ class StepScheduler:
             self.stats.company_waits += waited
 
     def _steps_on(self) -> bool:
-        """Whether a task is in the middle of its call: a step that carries a stream whose next
-        tokens the target samples itself (decode steps) does not stop for an absent one, which
+        """Whether a task is in the middle of a `steps_on` call: a step that carries a stream whose
+        next tokens the target samples itself (decode steps) does not stop for an absent one, which
         joins the step after it comes back (8 streams with decode steps: the model thread waited
         for company 20% of its time; without these waits 278 / 346 tok/s against 269, ITL p99
         98 / 82 against 165 ms)."""
@@ -481,10 +489,9 @@ class StepScheduler:
                 self._fail(task, result)
             elif task.chunk is not None:
                 task.chunk = None  # the prompt's part is cached now; the item runs on from there
-                task.continuing = True
             else:
                 by_call.setdefault(task.call, []).append((task, result))
-                task.continuing = True  # (if its call's next item follows: `_advance`)
+                task.continuing = task.call.steps_on  # (if its call's next item follows: `_advance`)
         with one_thread():  # each delivery wakes a caller on another core (`threads.one_thread`)
             for call, done in by_call.items():
                 self._deliver(call, done)

@@ -629,3 +629,23 @@ def test_an_auto_k_request_leaves_what_its_decode_steps_cost_to_the_next(local_p
     before = engine.decode_record.ratio
     list(engine.run(fixed, new_samples(fixed), Stats(), NO_DEADLINE))
     assert engine.decode_record.ratio == before  # a fixed K's rounds are not auto K's to learn from
+
+
+def test_only_decode_steps_step_on_without_waiting_for_company(monkeypatch):
+    """The target's scheduler lets a call's later steps skip the wait for company only for decode
+    steps (`StepScheduler.run(steps_on=...)`); a one-step Verify is unchanged."""
+    import target_service.verifier as verifier_module
+    from specdec.core.protocols import VerifyRequest
+
+    asked = []
+
+    class Recording:
+        def run(self, tasks, deadline, prepare, steps_on=False):
+            asked.append(steps_on)
+            return [None] * len(tasks)
+
+    monkeypatch.setattr(verifier_module, "scheduler_for", lambda runner: Recording())
+    one, steps = VerifyRequest("a", [1, 2], []), VerifyRequest("b", [1, 2], [], decode_uniforms=(0.5, 0.5))
+    verifier_module.verify_scheduled(None, [one], Sampling(1.0), NO_DEADLINE)
+    verifier_module.verify_scheduled(None, [one, steps], Sampling(1.0), NO_DEADLINE)
+    assert asked == [False, True]
