@@ -30,7 +30,7 @@ from specdec.core.protocols import (
     VerifyRequest,
     VerifyResult,
 )
-from specdec.core.sampling import RoundResult, Sampling, derive_seed, rng_for, speculative_round
+from specdec.core.sampling import RoundResult, Sampling, derive_seed, draw, rng_for, speculative_round
 from specdec.core.text import Decode, GrowingText, concatenates, stop_point
 
 log = logging.getLogger(__name__)
@@ -452,7 +452,7 @@ class SpeculativeEngine:
         stats.verify_time_s += verify_s
         if len(results) != len(running):
             raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
-        decoded = [self._decoded(spec, r, n) for r, n in zip(results, budgets, strict=True)]
+        decoded = [self._decoded(spec, r, q) for r, q in zip(results, requests, strict=True)]
         played = max(len(tokens) for tokens in decoded)
         stats.rounds += played
         new_tokens = {}
@@ -462,7 +462,7 @@ class SpeculativeEngine:
             new_tokens[sample.index] = self._append(spec, sample, tokens)
         share = _step_share(requests, results)
         outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
-        return RoundEvent(round_index + steps - 1, new_tokens), [outcome] * played
+        return RoundEvent(round_index + played - 1, new_tokens), [outcome] * played
 
     @staticmethod
     def _room(spec: GenerationSpec, sample: Sample) -> int:
@@ -473,9 +473,14 @@ class SpeculativeEngine:
         return max(1, room)
 
     @staticmethod
-    def _decoded(spec: GenerationSpec, result: VerifyResult, steps: int) -> list[int]:
-        """A decode-steps result's tokens; ServiceError unless it took every step or ended on a stop token."""
-        tokens = list(result.decoded_token_ids)
+    def _decoded(spec: GenerationSpec, result: VerifyResult, request: VerifyRequest) -> list[int]:
+        """A decode-steps result's tokens; ServiceError unless it took every step or ended on a stop
+        token. A replica that runs no decode steps (an older one, mid-rollout) answers with the first
+        step's law: its token is drawn here at the first uniform, as the target would have."""
+        tokens, steps = list(result.decoded_token_ids), len(request.decode_uniforms)
+        if not tokens and result.target_probs.shape[0] == 1:
+            check_laws("target", result.target_probs)
+            return [draw(result.target_probs[0], request.decode_uniforms[0])]
         if not 1 <= len(tokens) <= steps or (len(tokens) < steps and tokens[-1] not in spec.eos_token_ids):
             raise ServiceError(f"target returned {len(tokens)} decoded tokens for {steps} decode steps")
         return tokens

@@ -649,3 +649,19 @@ def test_only_decode_steps_step_on_without_waiting_for_company(monkeypatch):
     verifier_module.verify_scheduled(None, [one], Sampling(1.0), NO_DEADLINE)
     verifier_module.verify_scheduled(None, [one, steps], Sampling(1.0), NO_DEADLINE)
     assert asked == [False, True]
+
+
+def test_a_replica_without_decode_steps_answers_one_step_drawn_as_the_target_would():
+    """Mid-rollout an older target replica ignores decode uniforms and returns the first step's law:
+    the engine draws its token at the first uniform and goes on from the next round, so the
+    tokens are still those of one call a round."""
+
+    def law(request):  # a law that depends on the position, one row per verified token
+        weights = np.arange(1, V + 1, dtype=np.float32)
+        shifts = range(len(request.prefix_token_ids), len(request.prefix_token_ids) + len(request.draft_token_ids) + 1)
+        return np.stack([np.roll(weights, shift) / weights.sum() for shift in shifts])
+
+    one, _, _ = _run(None, FakeVerifier(law), num_speculative_tokens=0, max_new_tokens=10)
+    older, stats, events = _run(None, FakeVerifier(law), num_speculative_tokens=0, max_new_tokens=10, decode_steps=4)
+    assert older[0].generated == one[0].generated and stats.rounds == 10
+    assert [e.round_index for e in events] == list(range(10))
