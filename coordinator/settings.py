@@ -54,7 +54,7 @@ class CoordinatorSettings(ServerTlsSettings):
         "longest a request's Verify waits for the other requests' to go to the target pool as one call of "
         "at most SAMPLE_BATCH_SIZE sequences (specdec.core.call_batching; 0 = each alone)",
     )
-    # A K = 0 round through the services costs its step plus ~2.5 ms of round trip here (README,
+    # A K = 0 round through the services cost its step plus ~3.5 ms of round trip here (README,
     # "Decode steps"); the target samples a stretch of them itself, from the same uniforms.
     decode_steps: int = setting(
         4,

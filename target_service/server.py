@@ -22,7 +22,7 @@ from target_service.settings import TargetSettings
 from target_service.verifier import verify_scheduled
 
 
-def _decode_steps(seq: target_pb2.VerifySequence, vocab_size: int) -> tuple[tuple[float, ...], frozenset[int]]:
+def _decode_steps_of(seq: target_pb2.VerifySequence, vocab_size: int) -> tuple[tuple[float, ...], frozenset[int]]:
     """A sequence's decode uniforms and stop tokens, InvalidArgument unless they can run."""
     uniforms = tuple(seq.decode_uniforms)
     if not uniforms:
@@ -57,7 +57,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             hidden_from = seq.hidden_states_from if seq.HasField("hidden_states_from") else None
             if hidden_from is not None and not 0 <= hidden_from < len(prefix):
                 raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
-            uniforms, stops = _decode_steps(seq, runner.vocab_size)
+            uniforms, stops = _decode_steps_of(seq, runner.vocab_size)
             validate_length(len(prefix) + len(uniforms) - 1, runner.max_positions)
             parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, 0, uniforms, stops))
         return parsed

@@ -25,7 +25,7 @@ from specdec.models.warping import wire_laws
 def verify_task(request: VerifyRequest) -> Task:
     """One sequence's forward over prefix + drafts (a scheduler task of one step); it receives
     (its laws [K+1, V] float32 as sent, the LogitsResult) from `verify_laws`. With decode
-    uniforms, one step per uniform instead (`_decode_steps`)."""
+    uniforms, one step per uniform instead (`_decode_task`)."""
     probs, result = yield StepItem(
         request.cache_key,
         request.prefix_token_ids + request.draft_token_ids,
@@ -33,12 +33,12 @@ def verify_task(request: VerifyRequest) -> Task:
         hidden_from=request.hidden_from,
     )
     if request.decode_uniforms:
-        return (yield from _decode_steps(request, probs, result))
+        return (yield from _decode_task(request, probs, result))
     hidden = result.hidden.numpy() if result.hidden is not None else None  # [len - hidden_from, H]
     return VerifyResult(probs, result.cached_tokens, hidden, result.step_sequences, result.step_rows)
 
 
-def _decode_steps(request: VerifyRequest, probs: np.ndarray, first: LogitsResult) -> Task:
+def _decode_task(request: VerifyRequest, probs: np.ndarray, first: LogitsResult) -> Task:
     """Target-only rounds without the round trips: each step's token drawn from its law [1, V] at
     its uniform, as the coordinator's K = 0 round draws it from the same float32 law
     (`speculative_round`'s bonus), then the next step over it; the session's cache keeps every step."""

@@ -252,11 +252,11 @@ class SpeculativeEngine:
             # (A policy that never drafts, or drafts by lookup alone, would only make every Verify
             # return hidden states.)
             drafter = verifier = HiddenStateRelay(self.drafter, self.verifier)
-            policy.decodes = False  # (the relay's K = 0 rounds are Verifies of their own: `_decode_steps`)
+            policy.decodes = False  # (the relay's K = 0 rounds are Verifies of their own: `_steps_of_round`)
         round_index, outcomes = first_round, []
         while running := [s for s in samples if s.running]:
             k = policy.choose()
-            steps = self._decode_steps(spec, policy, k, round_index == first_round, verifier is not self.verifier)
+            steps = self._steps_of_round(spec, policy, k, round_index == first_round, verifier is not self.verifier)
             if steps > 1:
                 event, played = self._decode(verifier, spec, running, steps, round_index, stats, deadline)
             else:
@@ -269,8 +269,7 @@ class SpeculativeEngine:
             if not any(s.running for s in samples):  # before the last yield: a caller need not ask past it
                 if spec.draft_costs:  # (a model draft's curve: what the record is for)
                     record.add(outcomes)
-                if spec.auto_k and policy.decodes:
-                    self.decode_record.add(outcomes)
+                self.decode_record.add(outcomes)  # (reads only requests that played both kinds of round)
             yield event
             round_index = event.round_index + 1
 
@@ -388,12 +387,7 @@ class SpeculativeEngine:
             VerifyRequest(spec.sample_cache_key(s.index), list(s.context), drafts[i].tokens, sequence=s.index)
             for i, s in enumerate(running)
         ]
-        started = time.perf_counter()
-        results = verifier.verify(requests, spec.sampling, deadline)
-        verify_s = time.perf_counter() - started
-        stats.verify_time_s += verify_s
-        if len(results) != len(running):
-            raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
+        results, _ = self._call_verifier(verifier, requests, spec.sampling, stats, deadline)
         stats.rounds += 1
         target_laws = [
             self._target_laws(draft, result.target_probs) for draft, result in zip(drafts, results, strict=True)
@@ -410,7 +404,7 @@ class SpeculativeEngine:
         return RoundEvent(round_index, new_tokens), outcomes, _step_share(requests, results)
 
     @staticmethod
-    def _decode_steps(spec: GenerationSpec, policy, k: int, first: bool, relayed: bool) -> int:
+    def _steps_of_round(spec: GenerationSpec, policy, k: int, first: bool, relayed: bool) -> int:
         """Rounds of a K = 0 stretch to play in one call: the policy's own run of K = 0 rounds (until
         its next probe), at most spec.decode_steps; 1 in a request's first round (its prompt: the
         first token goes out alone) and through the hidden-state relay (a draft's catch-up)."""
@@ -446,12 +440,7 @@ class SpeculativeEngine:
             )
             for s, n in zip(running, budgets, strict=True)
         ]
-        started = time.perf_counter()
-        results = verifier.verify(requests, spec.sampling, deadline)
-        verify_s = time.perf_counter() - started
-        stats.verify_time_s += verify_s
-        if len(results) != len(running):
-            raise ServiceError(f"target returned {len(results)} results for {len(running)} sequences")
+        results, verify_s = self._call_verifier(verifier, requests, spec.sampling, stats, deadline)
         decoded = [self._decoded(spec, r, q) for r, q in zip(results, requests, strict=True)]
         played = max(len(tokens) for tokens in decoded)
         stats.rounds += played
@@ -484,6 +473,19 @@ class SpeculativeEngine:
         if not 1 <= len(tokens) <= steps or (len(tokens) < steps and tokens[-1] not in spec.eos_token_ids):
             raise ServiceError(f"target returned {len(tokens)} decoded tokens for {steps} decode steps")
         return tokens
+
+    @staticmethod
+    def _call_verifier(
+        verifier: Verifier, requests: list[VerifyRequest], sampling: Sampling, stats: Stats, deadline: Deadline
+    ) -> tuple[list[VerifyResult], float]:
+        """The Verify call's results, one per request (else ServiceError), and its seconds (counted)."""
+        started = time.perf_counter()
+        results = verifier.verify(requests, sampling, deadline)
+        seconds = time.perf_counter() - started
+        stats.verify_time_s += seconds
+        if len(results) != len(requests):
+            raise ServiceError(f"target returned {len(results)} results for {len(requests)} sequences")
+        return results, seconds
 
     @staticmethod
     def _target_laws(draft: _Draft, target_probs: np.ndarray) -> np.ndarray:

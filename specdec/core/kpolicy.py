@@ -271,7 +271,6 @@ class FixedK:
 
     drafts_at_all = True
     lookup_only = False  # an explicit K with a hybrid draft: its model serves where its lookup cannot
-    decodes = False  # (read for auto K's record only)
 
     def __init__(self, k: int):
         self.k = k
