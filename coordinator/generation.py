@@ -193,6 +193,7 @@ class Generator:
             cache_key=session_id or secrets.token_hex(8),
             sample_batch_size=self.settings.sample_batch_size,
             decode_steps=max(1, min(self.settings.decode_steps, pools.target.max_decode_steps)),
+            stop_ngram=self.settings.decode_stop_ngram,
         )
 
     def rounds(self, gen: Generation, is_active: Callable[[], bool], streaming: bool) -> Iterator[RoundEvent]:

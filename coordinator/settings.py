@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.core.protocols import MAX_DECODE_STEPS
+from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM
 from specdec.rpc.logs import check_log_format
 from specdec.rpc.server import MIN_KEEPALIVE_S
 from specdec.rpc.tls import ServerTlsSettings
@@ -61,6 +61,14 @@ class CoordinatorSettings(ServerTlsSettings):
         "DECODE_STEPS",
         "K = 0 rounds the target may run in one Verify call, sampling each token from the uniforms this "
         "coordinator draws (the same tokens; tokens then stream in groups of up to this many; 1 = a call a token)",
+    )
+    # A round whose lookup draft found nothing cost a Verify of its own (a round trip, for one token);
+    # as decode steps it runs on until a lookup could match again, and the next round drafts there.
+    decode_stop_ngram: int = setting(
+        2,
+        "DECODE_STOP_NGRAM",
+        "after a round whose draft proposed nothing, decode steps run until the last N tokens occur earlier "
+        "in the sequence (where a lookup draft matches; 0 = such a round is a Verify of its own)",
     )
     info_timeout_s: float = setting(5.0, "INFO_TIMEOUT_S", "deadline of one Info call")
     call_attempts: int = setting(
@@ -164,6 +172,8 @@ class CoordinatorSettings(ServerTlsSettings):
             raise ValueError("verify_batch_wait_ms must be in [0, 1000]")
         if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
+        if not 0 <= self.decode_stop_ngram <= MAX_STOP_NGRAM:
+            raise ValueError(f"decode_stop_ngram must be in [0, {MAX_STOP_NGRAM}]")
         if self.keepalive_s and self.keepalive_s < MIN_KEEPALIVE_S:
             raise ValueError(f"keepalive_s must be 0 (off) or >= {MIN_KEEPALIVE_S} (what the pools accept)")
         limits = ("max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_request_tokens", "call_attempts")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.core.errors import InvalidArgument
-from specdec.core.protocols import MAX_DECODE_STEPS, VerifyRequest
+from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM, VerifyRequest
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.model_service import (
     CallDeadline,
@@ -25,7 +25,11 @@ from target_service.verifier import verify_scheduled
 def _decode_steps_of(seq: target_pb2.VerifySequence, vocab_size: int) -> tuple[tuple[float, ...], frozenset[int]]:
     """A sequence's decode uniforms and stop tokens, InvalidArgument unless they can run."""
     uniforms = tuple(seq.decode_uniforms)
+    if seq.stop_ngram > MAX_STOP_NGRAM:
+        raise InvalidArgument(f"stop_ngram must be in [0, {MAX_STOP_NGRAM}], got {seq.stop_ngram}")
     if not uniforms:
+        if seq.stop_ngram:
+            raise InvalidArgument("stop_ngram goes with decode_uniforms")
         return (), frozenset()
     if seq.draft_token_ids or seq.HasField("hidden_states_from"):
         raise InvalidArgument("decode_uniforms run at K = 0 without hidden states")
@@ -59,7 +63,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
                 raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
             uniforms, stops = _decode_steps_of(seq, runner.vocab_size)
             validate_length(len(prefix) + len(uniforms) - 1, runner.max_positions)
-            parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, 0, uniforms, stops))
+            parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, 0, uniforms, stops, seq.stop_ngram))
         return parsed
 
     @grpc_errors

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specdec.core.engine import check_laws
+from specdec.core.ngram import lookup_matches
 from specdec.core.protocols import NO_DEADLINE, Deadline, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling, draw
 from specdec.models.runner import LogitsResult, ModelRunner, StepItem
@@ -41,7 +42,9 @@ def verify_task(request: VerifyRequest) -> Task:
 def _decode_task(request: VerifyRequest, probs: np.ndarray, first: LogitsResult) -> Task:
     """Target-only rounds without the round trips: each step's token drawn from its law [1, V] at
     its uniform, as the coordinator's K = 0 round draws it from the same float32 law
-    (`speculative_round`'s bonus), then the next step over it; the session's cache keeps every step."""
+    (`speculative_round`'s bonus), then the next step over it; the session's cache keeps every step.
+    Ends after a stop token, or where a lookup of stop_ngram tokens would match (the coordinator
+    drafts from there)."""
     tokens, decoded, result = list(request.prefix_token_ids), [], first
     for step, uniform in enumerate(request.decode_uniforms):
         if step:
@@ -50,7 +53,7 @@ def _decode_task(request: VerifyRequest, probs: np.ndarray, first: LogitsResult)
         token = draw(probs[0], uniform)
         decoded.append(token)
         tokens.append(token)
-        if token in request.stop_token_ids:
+        if token in request.stop_token_ids or lookup_matches(tokens, request.stop_ngram):
             break
     laws = np.empty((0, 0), np.float32)
     return VerifyResult(laws, first.cached_tokens, None, result.step_sequences, result.step_rows, tuple(decoded))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import InconsistentDraftError, ServiceError
 from specdec.core.hidden import HiddenStateRelay
 from specdec.core.kpolicy import AdaptiveK, DecodeRecord, DraftRecord, FixedK, RoundOutcome
+from specdec.core.ngram import lookup_matches
 from specdec.core.protocols import (
     Deadline,
     Drafter,
@@ -80,6 +81,10 @@ class GenerationSpec:
     # the coordinator would have drawn (VerifyRequest.decode_uniforms): the same tokens, without a
     # round trip per token. 1 = a call per token.
     decode_steps: int = 1
+    # A round whose draft proposed nothing is played as such a stretch instead of a Verify of its
+    # own, ending where a lookup of this many tokens would match (VerifyRequest.stop_ngram), so the
+    # next round drafts there. 0 = a round of its own.
+    stop_ngram: int = 0
 
     def sample_cache_key(self, index: int) -> str:
         """The model services' KV-cache key of sample `index`: each of several samples has its own
@@ -246,6 +251,7 @@ class SpeculativeEngine:
                 recorded=record.verdict(k_max, spec.verify_costs) if spec.draft_costs else None,
                 decodes=spec.decode_steps > 1,
                 decode_prior=self.decode_record.prior(),
+                stretches=spec.stop_ngram > 0,
             )
         drafter, verifier = self.drafter, self.verifier
         if spec.draft_needs_hidden and k_max > 0 and policy.drafts_at_all and not policy.lookup_only:
@@ -256,12 +262,13 @@ class SpeculativeEngine:
         round_index, outcomes = first_round, []
         while running := [s for s in samples if s.running]:
             k = policy.choose()
-            steps = self._steps_of_round(spec, policy, k, round_index == first_round, verifier is not self.verifier)
+            one_step = round_index == first_round or verifier is not self.verifier  # (`_steps_of_round`)
+            steps = self._steps_of_round(spec, policy, k, one_step)
             if steps > 1:
                 event, played = self._decode(verifier, spec, running, steps, round_index, stats, deadline)
             else:
                 event, played = self._round(
-                    drafter, verifier, spec, running, k, round_index, stats, deadline, policy.lookup_only
+                    drafter, verifier, spec, running, k, round_index, stats, deadline, policy.lookup_only, one_step
                 )
             for outcome in played:
                 outcomes.append(outcome)
@@ -286,11 +293,18 @@ class SpeculativeEngine:
         stats: Stats,
         deadline: Deadline,
         lookup_only: bool,
+        one_step: bool = True,
     ) -> tuple[RoundEvent, list[RoundOutcome]]:
-        """One round: Propose (up to k tokens a sample), Verify, accept/reject; its event and outcome."""
+        """One round: Propose (up to k tokens a sample), Verify, accept/reject; its event and outcome.
+        Where every draft came back empty (a lookup without a match), the round and the next ones
+        until a lookup could match are a stretch of decode steps instead (`spec.stop_ngram`)."""
         drafts, draft_s = self._propose(drafter, spec, running, k, round_index, stats, deadline, lookup_only)
         if drafts is None:  # the draft failed or is backing off: this round is target-only
             k, drafts = 0, [_Draft() for _ in running]
+        elif k and spec.stop_ngram and spec.decode_steps > 1 and not one_step and not any(d.tokens for d in drafts):
+            return self._decode(
+                verifier, spec, running, spec.decode_steps, round_index, stats, deadline, (k, draft_s, spec.stop_ngram)
+            )
         started = time.perf_counter()
         event, results, step = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
         # The policy prices the Verify with the accept/reject work on its laws: both grow with
@@ -404,11 +418,11 @@ class SpeculativeEngine:
         return RoundEvent(round_index, new_tokens), outcomes, _step_share(requests, results)
 
     @staticmethod
-    def _steps_of_round(spec: GenerationSpec, policy, k: int, first: bool, relayed: bool) -> int:
+    def _steps_of_round(spec: GenerationSpec, policy, k: int, one_step: bool) -> int:
         """Rounds of a K = 0 stretch to play in one call: the policy's own run of K = 0 rounds (until
-        its next probe), at most spec.decode_steps; 1 in a request's first round (its prompt: the
-        first token goes out alone) and through the hidden-state relay (a draft's catch-up)."""
-        if k or first or relayed or spec.decode_steps <= 1:
+        its next probe), at most spec.decode_steps; 1 (`one_step`) in a request's first round (its
+        prompt: the first token goes out alone) and through the hidden-state relay (a draft's catch-up)."""
+        if k or one_step or spec.decode_steps <= 1:
             return 1
         return max(1, min(spec.decode_steps, policy.zero_run()))
 
@@ -421,11 +435,14 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
+        asked: tuple[int, float, int] = (0, 0.0, 0),
     ) -> tuple[RoundEvent, list[RoundOutcome]]:
         """Rounds round_index.. at K = 0 in one call: each sample's token of round r drawn by the
         target at the uniform this engine's K = 0 round r would draw (`speculative_round`'s bonus),
         so the tokens are those of one call a round. Returns the event and one outcome a round
-        played (the call's seconds shared among them: what a K = 0 round costs the K policy)."""
+        played (the call's seconds shared among them: what a K = 0 round costs the K policy).
+        `asked`: (K, seconds, stop_ngram) of the first round's Propose that drafted nothing (`_round`)."""
+        asked_k, draft_s, stop_ngram = asked
         budgets = [min(steps, self._room(spec, s)) for s in running]
         requests = [
             VerifyRequest(
@@ -437,6 +454,7 @@ class SpeculativeEngine:
                     rng_for(spec.seed, s.index, round_index + j, _ACCEPT_STREAM).random() for j in range(n)
                 ),
                 stop_token_ids=spec.eos_token_ids,
+                stop_ngram=stop_ngram,
             )
             for s, n in zip(running, budgets, strict=True)
         ]
@@ -451,7 +469,8 @@ class SpeculativeEngine:
             new_tokens[sample.index] = self._append(spec, sample, tokens)
         share = _step_share(requests, results)
         outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
-        return RoundEvent(round_index + played - 1, new_tokens), [outcome] * played
+        first = replace(outcome, k=asked_k, draft_s=draft_s)  # (the policy counts an empty ask's cost)
+        return RoundEvent(round_index + played - 1, new_tokens), [first] + [outcome] * (played - 1)
 
     @staticmethod
     def _room(spec: GenerationSpec, sample: Sample) -> int:
@@ -464,13 +483,18 @@ class SpeculativeEngine:
     @staticmethod
     def _decoded(spec: GenerationSpec, result: VerifyResult, request: VerifyRequest) -> list[int]:
         """A decode-steps result's tokens; ServiceError unless it took every step or ended on a stop
-        token. A replica that runs no decode steps (an older one, mid-rollout) answers with the first
-        step's law: its token is drawn here at the first uniform, as the target would have."""
+        token or a lookup match (`VerifyRequest.stop_ngram`). A replica that runs no decode steps (an
+        older one, mid-rollout) answers with the first step's law: its token is drawn here at the
+        first uniform, as the target would have."""
         tokens, steps = list(result.decoded_token_ids), len(request.decode_uniforms)
         if not tokens and result.target_probs.shape[0] == 1:
             check_laws("target", result.target_probs)
             return [draw(result.target_probs[0], request.decode_uniforms[0])]
-        if not 1 <= len(tokens) <= steps or (len(tokens) < steps and tokens[-1] not in spec.eos_token_ids):
+        if not 1 <= len(tokens) <= steps or (
+            len(tokens) < steps
+            and tokens[-1] not in spec.eos_token_ids
+            and not lookup_matches(request.prefix_token_ids + tokens, request.stop_ngram)
+        ):
             raise ServiceError(f"target returned {len(tokens)} decoded tokens for {steps} decode steps")
         return tokens
 

@@ -302,7 +302,7 @@ class AdaptiveK:
     (`lookup_only`). `recorded`: a `DraftRecord`'s verdict on the model from earlier requests (False:
     it cannot pay, whatever the curves say). `decodes`: the engine plays K = 0 rounds as decode steps,
     which cost less than a Verify of their own (`decode_prior` of one until some are measured: a
-    `DecodeRecord`'s).
+    `DecodeRecord`'s). `stretches`: so does a round whose draft proposed nothing (`GenerationSpec.stop_ngram`).
     """
 
     def __init__(
@@ -321,6 +321,7 @@ class AdaptiveK:
         recorded: bool | None = None,
         decodes: bool = False,
         decode_prior: float = DECODE_PRIOR,
+        stretches: bool = False,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -334,6 +335,7 @@ class AdaptiveK:
         self.overhead_s = overhead_s
         self.decodes = decodes  # K = 0 rounds are played as decode steps (`zero_run`)
         self.decode_prior = decode_prior  # their cost against a 1-row Verify's, until measured
+        self.stretches = decodes and stretches  # an empty draft's round is a decode step too
         # [r - 1]: the target's cost of a forward over r rows, any unit (only ratios are read).
         self.verify_curve = tuple(c for c in verify_curve) if all(c > 0 for c in verify_curve) else ()
         # [r - 1]: the curve at r rows (extended past its end), for every length a round can verify
@@ -488,13 +490,14 @@ class AdaptiveK:
         zero = costs[0] * (self.decode_prior if self.decodes else 1.0)
         if self.decoded_rounds:  # never above a Verify of its own: a share of one call without its round trip
             zero = min(self.decoded_s / self.decoded_rounds, costs[0])
+        empty = zero if self.stretches else costs[0]  # a round whose draft proposed nothing
         for k in range(self.k_max + 1):
             verify = (shorter + reach[k] * costs[k] if k else zero) + self.overhead_s
             draft = per_ask + drafted * per_token if k else 0.0
             own = self.own * expected[k] / (draft + verify)
             out.append(own + others / verify)  # the others do not wait for our draft
             if k < self.k_max:
-                shorter += (reach[k] - reach[k + 1]) * costs[k]
+                shorter += (reach[k] - reach[k + 1]) * (costs[k] if k else empty)
                 drafted += reach[k + 1]
         return out
 

@@ -13,6 +13,12 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
+def lookup_matches(tokens: Sequence[int], n: int) -> bool:
+    """Whether the last n tokens occur earlier in `tokens` (followed by a token there): where a
+    lookup draft matching n tokens would propose. False for n < 1."""
+    return n >= 1 and len(tokens) > n and bool(ngram_proposal(tokens, 1, n, n))
+
+
 def ngram_proposal(prefix: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the prefix's last n tokens.
 

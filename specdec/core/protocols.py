@@ -45,6 +45,9 @@ NO_DEADLINE = Deadline(None)
 # Most decode steps (VerifyRequest.decode_uniforms) a target runs for one sequence in one call: its
 # time on the model thread, 64 steps, as a few prompt chunks take.
 MAX_DECODE_STEPS = 64
+# Longest VerifyRequest.stop_ngram: a lookup draft's longest match (draft settings' NGRAM_MAX /
+# SUFFIX_MIN_MATCH are at most this).
+MAX_STOP_NGRAM = 64
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class VerifyRequest:
     # from it, stopping after one of stop_token_ids; the tokens come back, not the laws.
     decode_uniforms: tuple[float, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
+    # ... and after a step where the sequence's last stop_ngram tokens occur earlier in it (0: off)
+    stop_ngram: int = 0
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,7 @@ def verify_request(requests: list[VerifyRequest], sampling: Sampling) -> target_
                 hidden_states_from=r.hidden_from,
                 decode_uniforms=r.decode_uniforms,
                 stop_token_ids=sorted(r.stop_token_ids) if r.decode_uniforms else (),
+                stop_ngram=r.stop_ngram if r.decode_uniforms else 0,
             )
             for r in requests
         ],

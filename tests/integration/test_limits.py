@@ -13,6 +13,7 @@ import pytest
 from service_stack import start_stack, stop_stack
 
 from specdec.client import build_request
+from specdec.core.ngram import lookup_matches
 from specdec.rpc.wire import decode_probs, encode_probs
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -133,6 +134,19 @@ def test_the_target_runs_decode_steps_and_refuses_those_it_cannot_run_storing_no
         (done,) = target.Verify(_verify(cache_key="steps-ok", decode_uniforms=[0.5] * 5), timeout=30).verifications
         assert len(done.decoded_token_ids) == 5 and not done.HasField("target_probs")
         assert cache.token_ids("steps-ok")[:2] == [1, 2]
+        # With stop_ngram the steps end after the first token whose last n tokens occurred before.
+        prefix, uniforms = [5, 6, 7, 5, 6], [0.1, 0.9, 0.3, 0.7, 0.5, 0.2, 0.8, 0.4, 0.6, 0.05, 0.95, 0.35]
+        stopped = []
+        for n in (1, 2):
+            sequence = target_pb2.VerifySequence(
+                cache_key=f"steps-ngram-{n}", prefix_token_ids=prefix, decode_uniforms=uniforms, stop_ngram=n
+            )
+            request = target_pb2.VerifyRequest(sequences=[sequence])
+            tokens = list(target.Verify(request, timeout=30).verifications[0].decoded_token_ids)
+            ends = [lookup_matches(prefix + tokens[: i + 1], n) for i in range(len(tokens))]
+            assert not any(ends[:-1]) and (ends[-1] or len(tokens) == len(uniforms)), (n, tokens)
+            stopped.append(len(tokens) < len(uniforms))
+        assert any(stopped)  # (1-grams recur within a few tokens of the tiny model's vocabulary)
         cases = [
             (dict(draft_token_ids=[3]), "K = 0"),
             (dict(hidden_states_from=0), "K = 0"),
@@ -142,6 +156,8 @@ def test_the_target_runs_decode_steps_and_refuses_those_it_cannot_run_storing_no
             (dict(decode_uniforms=[float("nan")]), "[0, 1)"),
             (dict(decode_uniforms=[0.5], stop_token_ids=[8]), "stop_token_ids"),
             (dict(decode_uniforms=[0.5] * 64), "positions"),  # 2 + 63 > the tiny model's 64
+            (dict(stop_ngram=65), "stop_ngram must be in [0, 64]"),
+            (dict(decode_uniforms=[], stop_ngram=2), "stop_ngram goes with decode_uniforms"),
         ]
         for fields, named in cases:
             with pytest.raises(grpc.RpcError) as err:

@@ -20,6 +20,7 @@ from specdec.core.engine import (
     new_samples,
 )
 from specdec.core.errors import DeadlineExceeded, ServiceError, Unavailable
+from specdec.core.kpolicy import AdaptiveK, FixedK
 from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, VerifyResult
 from specdec.core.sampling import Sampling
 from target_service.verifier import LocalVerifier
@@ -661,3 +662,92 @@ def test_a_replica_without_decode_steps_answers_one_step_drawn_as_the_target_wou
     older, stats, events = _run(None, FakeVerifier(law), num_speculative_tokens=0, max_new_tokens=10, decode_steps=4)
     assert older[0].generated == one[0].generated and stats.rounds == 10
     assert [e.round_index for e in events] == list(range(10))
+
+
+# ------------------------------------------------------------------ a lookup without a match: decode steps until one
+
+
+def _ngram_drafter():
+    from draft_service.ngram import NgramDrafter
+
+    return NgramDrafter(2, 4)  # proposes exactly where the last 2 tokens occurred before
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.0)], ids=["T1", "greedy"])
+def test_a_round_without_a_proposal_decodes_until_a_lookup_matches_with_the_same_tokens(local_pair, sampling):
+    """A round whose lookup found nothing runs as decode steps that end where a lookup of 2 tokens
+    matches; with an n-gram draft of 2..4 tokens that is exactly where it proposes again, so the
+    tokens are those of a call a round, in fewer calls."""
+    _, verifier = local_pair
+    calls = rounds = stretched = 0
+    for seed in range(6):
+        spec = dict(
+            context_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], seed=seed, sampling=sampling, num_speculative_tokens=3,
+            max_new_tokens=30, eos_token_ids=frozenset({3}) if seed % 2 else frozenset(),
+        )
+        one, one_stats, _ = _run(_ngram_drafter(), verifier, **spec)
+        counted = CountingVerifier(verifier)
+        steps, stats, events = _run(_ngram_drafter(), counted, **spec, decode_steps=4, stop_ngram=2)
+        assert [s.generated for s in steps] == [s.generated for s in one]
+        assert stats.rounds == one_stats.rounds and stats.drafted_tokens == one_stats.drafted_tokens
+        calls, rounds = calls + len(counted.calls), rounds + one_stats.rounds
+        stretched += sum(1 for c in counted.calls if c[0] > 1)
+    assert stretched
+    if not sampling.greedy:  # (greedy, the tiny target repeats itself: each stretch ends at once)
+        assert calls < rounds
+
+
+def test_without_stop_ngram_a_round_without_a_proposal_is_a_verify_of_its_own(local_pair):
+    _, verifier = local_pair
+    counted = CountingVerifier(verifier)
+    _run(PointMassDrafter(lambda r: []), counted, num_speculative_tokens=3, max_new_tokens=12, decode_steps=4)
+    assert all(c == [0] for c in counted.calls) and len(counted.calls) == 12
+
+
+def test_the_policy_sees_an_empty_ask_then_decode_steps(local_pair, monkeypatch):
+    _, verifier = local_pair
+    seen = []
+    real = FixedK.observe
+    monkeypatch.setattr(FixedK, "observe", lambda self, outcome: seen.append(outcome) or real(self, outcome))
+    _run(PointMassDrafter(lambda r: []), verifier, num_speculative_tokens=3, max_new_tokens=9, decode_steps=4,
+         stop_ngram=5)  # (5 tokens never recur here: every stretch runs its 4 steps)
+    assert [(o.k, o.decoded) for o in seen] == [(3, False)] + [(3, True), (0, True), (0, True), (0, True)] * 2
+    assert all(o.draft_s == 0 for o in seen if o.k == 0)
+
+
+@pytest.mark.parametrize(
+    "decoded, accepted", [((4, 5), True), ((4, 6), False), ((4, 3), True)], ids=["match", "none", "eos"]
+)
+def test_a_stretch_may_end_early_only_at_a_lookup_match_or_a_stop_token(decoded, accepted):
+    """Context 1 2 4 5: after 4 5 the last 2 tokens occurred before (a match); 4 6 is no match."""
+
+    class Decoding(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            return [
+                VerifyResult(np.empty((0, 0), np.float32), decoded_token_ids=decoded[: len(r.decode_uniforms)])
+                if r.decode_uniforms
+                else VerifyResult(np.stack([_one_hot(4)] * (len(r.draft_token_ids) + 1)))
+                for r in requests
+            ]
+
+    run = lambda: _run(  # noqa: E731
+        PointMassDrafter(lambda r: []), Decoding(None), context_token_ids=[1, 4, 5, 2], num_speculative_tokens=2,
+        max_new_tokens=4, decode_steps=4, stop_ngram=2, eos_token_ids=frozenset({3}),
+    )
+    if accepted:
+        samples, _, _ = run()
+        assert samples[0].generated[1:3] == list(decoded)
+    else:
+        with pytest.raises(ServiceError, match="2 decoded tokens for 3 decode steps"):
+            run()
+
+
+@pytest.mark.parametrize("stop_ngram, decode_steps, stretches", [(2, 4, True), (0, 4, False), (2, 1, False)])
+def test_auto_k_knows_when_an_empty_ask_is_played_as_decode_steps(monkeypatch, stop_ngram, decode_steps, stretches):
+    import specdec.core.engine as engine_module
+
+    made = []
+    monkeypatch.setattr(engine_module, "AdaptiveK", lambda *a, **kw: made.append(AdaptiveK(*a, **kw)) or made[-1])
+    _run(PointMassDrafter(lambda r: []), FakeVerifier(_uniform_target), auto_k=True, max_new_tokens=2,
+         decode_steps=decode_steps, stop_ngram=stop_ngram)
+    assert made[0].stretches is stretches

@@ -479,3 +479,23 @@ def test_the_decode_record_prices_the_next_requests_k0_rounds_by_what_earlier_on
     priced.observe(prompt)
     priced.observe(RoundOutcome(0, 0.0, 0.010, 1, [(0, 0)]))
     assert priced.tokens_per_second()[0] == pytest.approx(1 / (0.010 * record.prior()))
+
+
+def test_an_empty_ask_played_as_decode_steps_is_priced_as_one():
+    """A lookup that proposes half the time (2 tokens, the first accepted 80% of the time): with
+    empty asks paying a 9.5 ms Verify of their own, asking costs more than it brings against 5 ms
+    decode steps; played as decode steps themselves (`stretches`), asking pays."""
+
+    def policy(stretches: bool) -> AdaptiveK:
+        p = AdaptiveK(2, decodes=True, stretches=stretches)
+        p.observe(RoundOutcome(2, 0.0, 0.02, 3, [(2, 0)]))  # round 0: prefill timings, not kept
+        p.observe(RoundOutcome(0, 0.0, 0.0095, 1, [(0, 0)]))
+        for _ in range(4):
+            p.observe(RoundOutcome(0, 0.0, 0.005, 1, [(0, 0)], decoded=True))
+        for accepted in [2] * 12 + [1] * 4 + [0] * 4:
+            p.observe(RoundOutcome(2, 0.00005, 0.0105, 3, [(2, accepted)]))
+            p.observe(RoundOutcome(2, 0.00005, 0.0095, 1, [(0, 0)]))
+        return p
+
+    assert policy(False).choose() == 0
+    assert policy(True).choose() == 2

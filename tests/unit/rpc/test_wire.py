@@ -302,6 +302,10 @@ def _verify_requests_from_proto(request: target_pb2.VerifyRequest) -> list[Verif
             list(seq.prefix_token_ids),
             list(seq.draft_token_ids),
             seq.hidden_states_from if seq.HasField("hidden_states_from") else None,
+            0,
+            tuple(seq.decode_uniforms),
+            frozenset(seq.stop_token_ids),
+            seq.stop_ngram,
         )
         for seq in request.sequences
     ]
@@ -312,16 +316,18 @@ def test_verify_request_carries_every_field_and_tells_hidden_from_0_from_unset()
         VerifyRequest("cache-b", [1, 2, 3], [4, 5], hidden_from=0, sequence=3),
         VerifyRequest("", [1], [], hidden_from=None),
         VerifyRequest("c", [1, 2], [7], hidden_from=1),
+        VerifyRequest("d", [1, 2], [], decode_uniforms=(0.25, 0.5), stop_token_ids=frozenset({3}), stop_ngram=2),
     ]
     sampling = Sampling(0.0, top_k=0, top_p=0.5)
     message = _over_the_wire(wire.verify_request(requests, sampling))
 
     assert wire.sampling_from_proto(message.sampling) == sampling
-    assert [s.HasField("hidden_states_from") for s in message.sequences] == [True, False, True]
+    assert [s.HasField("hidden_states_from") for s in message.sequences] == [True, False, True, False]
     assert _verify_requests_from_proto(message) == [
         VerifyRequest("cache-b", [1, 2, 3], [4, 5], 0),
         VerifyRequest("", [1], [], None),
         VerifyRequest("c", [1, 2], [7], 1),
+        VerifyRequest("d", [1, 2], [], None, 0, (0.25, 0.5), frozenset({3}), 2),
     ]
 
 
