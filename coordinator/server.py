@@ -14,6 +14,7 @@ import time
 
 from coordinator.auth import ApiKeys
 from coordinator.generation import Generator
+from coordinator.local_draft import LocalDraft, load_local_draft
 from coordinator.pools import Pools
 from coordinator.requests import validate_session_id
 from coordinator.resume import resumable_tokens
@@ -78,7 +79,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self,
         settings: CoordinatorSettings,
         store: SessionStore,
-        draft: DraftClient,
+        draft: DraftClient | LocalDraft,
         target: TargetClient,
         tokenizer,
         api_keys: ApiKeys | None = None,
@@ -170,13 +171,17 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
         "attempts": settings.call_attempts,
         "keepalive_s": settings.keepalive_s,
     }
-    draft = DraftClient(
-        settings.draft_address,
-        settings.draft_timeout_s,
-        settings.info_timeout_s,
-        settings.max_message_mb,
-        backoff_s=settings.draft_backoff_s,
-        **pool_options,
+    draft = (
+        load_local_draft(settings.local_draft, settings, settings.tokenizer, tokenizer)
+        if settings.local_draft
+        else DraftClient(
+            settings.draft_address,
+            settings.draft_timeout_s,
+            settings.info_timeout_s,
+            settings.max_message_mb,
+            backoff_s=settings.draft_backoff_s,
+            **pool_options,
+        )
     )
     target = TargetClient(
         settings.target_address,
@@ -203,6 +208,8 @@ def create_server(settings: CoordinatorSettings, tokenizer=None) -> tuple[GrpcSe
     )
     servicer.use_registry(grpc_server.registry)
     observe_draft_health(grpc_server.registry, draft.health)
+    if isinstance(draft, LocalDraft):
+        draft.observe(grpc_server.registry)
     observe_draft_records(grpc_server.registry, servicer.generator.engine.records)
     observe_call_batching(grpc_server.registry, servicer.generator.engine.verifier.stats)
     grpc_server.server.start()

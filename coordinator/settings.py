@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specdec.core.lookup import LOOKUPS, LookupSettings
 from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM
 from specdec.rpc.logs import check_log_format
 from specdec.rpc.server import MIN_KEEPALIVE_S
@@ -11,7 +12,7 @@ from specdec.settings import setting
 
 
 @dataclass(frozen=True)
-class CoordinatorSettings(ServerTlsSettings):
+class CoordinatorSettings(LookupSettings, ServerTlsSettings):
     """Coordinator settings (flags, or SPECDEC_COORDINATOR_* env vars)."""
 
     ENV_PREFIX: ClassVar[str] = "SPECDEC_COORDINATOR_"
@@ -22,6 +23,14 @@ class CoordinatorSettings(ServerTlsSettings):
     metrics_port: int = setting(9101, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")
     draft_address: str = setting(
         "localhost:50052", "DRAFT_ADDRESS", "draft service: host:port, a comma list, or a gRPC target (dns:///...)"
+    )
+    # A Propose through the draft pool cost 1.4-1.7 ms of round trip for a lookup that takes
+    # microseconds (README "Configuration"); here the engine asks the lookup directly.
+    local_draft: str = setting(
+        "",
+        "LOCAL_DRAFT",
+        "run a lookup draft here instead of asking the draft pool: '' (the pool), ngram or suffix "
+        "(configured by this service's NGRAM_* / SUFFIX_* settings)",
     )
     target_address: str = setting(
         "localhost:50053", "TARGET_ADDRESS", "target service: host:port, a comma list, or a gRPC target (dns:///...)"
@@ -170,6 +179,9 @@ class CoordinatorSettings(ServerTlsSettings):
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")
         if not 0 <= self.verify_batch_wait_ms <= 1000:
             raise ValueError("verify_batch_wait_ms must be in [0, 1000]")
+        if self.local_draft not in LOOKUPS:
+            raise ValueError(f"local_draft must be '' (the draft pool), ngram or suffix, got {self.local_draft!r}")
+        self.validate_lookups()
         if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
         if not 0 <= self.decode_stop_ngram <= MAX_STOP_NGRAM:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from draft_service.hybrid import HybridDrafter
-from draft_service.ngram import NgramDrafter, load_ngram
 from draft_service.served import ServedDraft, served
-from draft_service.settings import MODEL_FREE, NGRAM_MODEL, SUFFIX_MODEL, DraftSettings
-from draft_service.suffix import load_suffix, suffix_drafter
+from draft_service.settings import MODEL_FREE, DraftSettings
+from specdec.core.lookup import lookup_drafter, lookup_model_id
+from specdec.rpc.model_service import model_free_info
 
 
 class DraftLoadError(ValueError):
@@ -19,18 +19,12 @@ def load_draft(settings: DraftSettings, tokenizer=None) -> ServedDraft:
     A model with `settings.lookup` set serves the hybrid draft: the lookup first, the model
     where the lookup proposes nothing.
     """
-    if settings.model == NGRAM_MODEL:
-        return load_ngram(settings, tokenizer)
-    if settings.model == SUFFIX_MODEL:
-        return load_suffix(settings, tokenizer)
+    if settings.model in MODEL_FREE:
+        return load_lookup(settings.model, settings, tokenizer)
     model = served(_load_model(settings))
     if not settings.lookup:
         return model
-    lookup = (
-        NgramDrafter(settings.ngram_min, settings.ngram_max)
-        if settings.lookup == NGRAM_MODEL
-        else suffix_drafter(settings)
-    )
+    lookup = lookup_drafter(settings.lookup, settings)
     info = type(model.info)()
     info.CopyFrom(model.info)
     info.model_id = f"{model.info.model_id}+{settings.lookup}"
@@ -39,6 +33,17 @@ def load_draft(settings: DraftSettings, tokenizer=None) -> ServedDraft:
     # the model may serve at all (DraftSequence.lookup_only).
     info.lookup = settings.lookup
     return ServedDraft(HybridDrafter(lookup, model.drafter), info, model.runner)
+
+
+def load_lookup(name: str, settings: DraftSettings, tokenizer=None) -> ServedDraft:
+    """The lookup draft `name` (ngram or suffix) over `settings.tokenizer` (loaded unless given): no
+    KV cache, no position limit, Info from the target's tokenizer."""
+    if tokenizer is None:
+        from specdec.models.sources import load_tokenizer
+
+        tokenizer = load_tokenizer(settings.tokenizer)
+    info = model_free_info(tokenizer, lookup_model_id(name, settings, settings.tokenizer))
+    return ServedDraft(lookup_drafter(name, settings), info)
 
 
 def _load_model(settings: DraftSettings):

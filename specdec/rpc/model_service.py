@@ -182,6 +182,26 @@ def model_info_proto(runner, source, tokenizer, role: str, dtype: str, device: s
     )
 
 
+def model_free_info(tokenizer, model_id: str) -> common_pb2.ModelInfo:
+    """Info of a draft without a model: the vocabulary, EOS ids and fingerprint of the target's
+    tokenizer (its proposals are ids of that vocabulary), no position limit, no hidden states."""
+    from specdec.models.sources import tokenizer_fingerprint
+
+    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    return common_pb2.ModelInfo(
+        model_id=model_id,
+        vocab_size=len(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        eos_token_ids=eos,
+        dtype="",
+        device="cpu",
+        max_position_embeddings=0,  # no position limit of its own
+        role="draft",
+        hidden_size=0,
+        needs_target_hidden_states=False,
+    )
+
+
 def validate_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
     for token in token_ids:
         if not 0 <= token < vocab_size:

@@ -189,7 +189,7 @@ def test_auto_k_serves_a_hybrid_by_its_lookup_alone_where_its_model_cannot_pay(
     from service_stack import start_stack, stop_stack
 
     from draft_service.hybrid import HybridDrafter
-    from draft_service.ngram import NgramDrafter
+    from specdec.core.lookup import NgramDrafter
     from draft_service.served import ServedDraft, served
     from specdec.client import build_request
     from specdec.v1 import coordinator_pb2_grpc

@@ -31,10 +31,10 @@ def _ngram_settings(tokenizer_dir: str, **overrides):
 def ngram_stack(tiny_loaded, tiny_model_dirs, redis_url):
     from service_stack import start_stack, stop_stack
 
-    from draft_service.ngram import load_ngram
+    from draft_service.loading import load_lookup
     from specdec.v1 import coordinator_pb2_grpc
 
-    ngram = load_ngram(_ngram_settings(tiny_model_dirs["target"]))
+    ngram = load_lookup("ngram", _ngram_settings(tiny_model_dirs["target"]))
     stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=ngram)
     channel = stack.channel()
     yield coordinator_pb2_grpc.CoordinatorStub(channel)

@@ -72,9 +72,9 @@ def _warm(stub, seed: int) -> None:
 def suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
     from service_stack import start_stack, stop_stack
 
-    from draft_service.suffix import load_suffix
+    from draft_service.loading import load_lookup
 
-    served = load_suffix(_suffix_settings(tiny_model_dirs["target"]))
+    served = load_lookup("suffix", _suffix_settings(tiny_model_dirs["target"]))
     stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=served)
     channel, stub = _stub(stack)
     yield stub, served.drafter
@@ -88,10 +88,10 @@ def hybrid_stack(tiny_loaded, tiny_model_dirs, redis_url):
 
     from draft_service.hybrid import HybridDrafter
     from draft_service.served import ServedDraft, served
-    from draft_service.suffix import suffix_drafter
+    from specdec.core.lookup import lookup_drafter
 
     model = served(tiny_loaded["draft"])
-    lookup = CountingLookup(suffix_drafter(_suffix_settings(tiny_model_dirs["target"])))
+    lookup = CountingLookup(lookup_drafter("suffix", _suffix_settings(tiny_model_dirs["target"])))
     hybrid = ServedDraft(HybridDrafter(lookup, model.drafter), model.info, model.runner)
     stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_loaded=hybrid)
     channel, stub = _stub(stack)
@@ -213,3 +213,49 @@ def test_in_process_suffix_and_hybrid_keep_greedy_output(tiny_model_dirs, lookup
     speculated = pipeline.generate(PROMPT, num_speculative_tokens=3, **kwargs)
     assert list(speculated.completions[0].token_ids) == list(alone.completions[0].token_ids)
     assert speculated.stats.drafted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def local_suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
+    """The coordinator drafting with its own suffix draft (LOCAL_DRAFT): its draft_address names a
+    port where nothing listens, so every proposal is the local draft's."""
+    from service_stack import start_stack, stop_stack
+
+    stack = start_stack(
+        tiny_loaded, tiny_model_dirs["target"], redis_url, local_draft="suffix", draft_address="127.0.0.1:1"
+    )
+    channel, stub = _stub(stack)
+    yield stub, stack
+    channel.close()
+    stop_stack(stack)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_with_the_coordinators_own_suffix_draft_equals_the_target_alone(local_suffix_stack, k):
+    stub, _ = local_suffix_stack
+    alone, speculated = _greedy(stub, 0), _greedy(stub, k)
+    assert list(speculated.completions[0].token_ids) == list(alone.completions[0].token_ids)
+    assert speculated.stats.drafted_tokens > 0 and speculated.stats.accepted_tokens > 0
+
+
+def test_coordinators_own_suffix_draft_samples_follow_the_target_law(
+    local_suffix_stack, tiny_loaded, record_property, monkeypatch
+):
+    """Also the rounds whose draft found nothing: decode steps that end where a lookup of
+    DECODE_STOP_NGRAM (2) tokens matches (`SpeculativeEngine._round`)."""
+    import target_service.verifier as verifier_module
+
+    stub, stack = local_suffix_stack
+    checks = []  # (n, matched) of each decode step's lookup check in the target
+    real = verifier_module.lookup_matches
+    monkeypatch.setattr(verifier_module, "lookup_matches", lambda t, n: checks.append((n, real(t, n))) or checks[-1][1])
+    _warm(stub, seed=600)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.servers[0].metrics_port}/metrics", timeout=5).read()
+    cached = [line for line in metrics.decode().splitlines() if line.startswith("specdec_suffix_cache_tokens")]
+    assert cached and cached[0].startswith('specdec_suffix_cache_tokens{service="coordinator"}')
+    assert float(cached[0].split()[-1]) > len(PROMPT) * WARM_SESSIONS  # other sessions' outputs are there
+    model = tiny_loaded["target"].runner.model
+    fit = assert_draft_follows_law(stub, model, "local suffix K4-T1", PROMPT, LENGTH, 4, seed=83)
+    stretched, ended = sum(n == 2 for n, _ in checks), sum(matched for _, matched in checks)
+    record_property("summary", f"{fit.summary}; {stretched} decode steps after empty proposals, {ended} ended a stretch")
+    assert stretched > 1000 and ended > 100, (stretched, ended)

@@ -668,7 +668,7 @@ def test_a_replica_without_decode_steps_answers_one_step_drawn_as_the_target_wou
 
 
 def _ngram_drafter():
-    from draft_service.ngram import NgramDrafter
+    from specdec.core.lookup import NgramDrafter
 
     return NgramDrafter(2, 4)  # proposes exactly where the last 2 tokens occurred before
 

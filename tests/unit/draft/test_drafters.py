@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draft_service.hybrid import HybridDrafter
-from draft_service.suffix import SuffixDrafter
+from specdec.core.lookup import SuffixDrafter
 from specdec.core.protocols import NO_DEADLINE, DraftProposal, DraftRequest
 from specdec.core.sampling import Sampling
 from specdec.core.suffix import SuffixParams

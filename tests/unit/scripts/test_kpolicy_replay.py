@@ -68,7 +68,7 @@ def test_the_table_has_every_policy_and_k0_is_the_unit(monkeypatch):
 
 
 def test_proposals_are_the_drafter_s_after_each_prefix_of_the_generation():
-    from draft_service.ngram import NgramDrafter
+    from specdec.core.lookup import NgramDrafter
 
     ids, generated = [7, 8, 9, 7], [8, 9, 5]
     made = replay_mod.proposals(NgramDrafter(1, 2), "conversation", ids, generated, 3)
