@@ -4,8 +4,8 @@ A one-row decode of SmolLM2-135M spent ~7 of its 17.5 ms dispatching the ~45 sma
 each decoder layer from Python. For a ragged batch whose segments are all short (decodes, Verify
 rows: what `ragged._compile_segments` marks for the compiled attention), the library runs every
 decoder layer at once: the panels products, its own norms, rotary embedding and SiLU, and the
-compiled attention, each row computed alone. Python keeps the embedding, the rotary tables, the
-final norm and the head.
+compiled attention, each row computed alone. Python keeps the embedding, the rotary tables (a
+table of every position, `_rotary`), the final norm and the head.
 
 The rows of such segments take this path whenever the model has them (`fused_layers`), alone or
 batched, after a shared prefix or not (the attention reads a prefix's buffer, then the session's
@@ -106,6 +106,32 @@ def _build(model) -> FusedLayers:
     return FusedLayers(table, tuple(keep), *sizes, eps, compact=compact, int8=int8)
 
 
+_ROTARY = "_specdec_rotary_table"  # on the rotary module: (cos, sin) [positions, D] float32, once built
+_MAX_POS = "max_position_embeddings"
+
+
+def _rotary(inner, embeds: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] float32 at the rows' positions ([1, T]). The model's rotary embedding computed
+    them every step in a few small tensor ops (py-spy put 2-5% of a served target's model thread on
+    those lines at 1-8 streams, waits for the GIL included; timed alone, 28 us a step, 12 us so);
+    with the default rope each entry is an elementwise function of its position alone, so a table of
+    every position, computed once by the same module, holds the same values (and a row's values no
+    longer depend on where it sits in a step's tensor). Other rope types (dynamic ones) compute per call."""
+    rotary = inner.rotary_emb
+    positions = position_ids[0]
+    if getattr(rotary, "rope_type", "default") != "default" or positions.device.type != "cpu":
+        return tuple(t[0].to(torch.float32).contiguous() for t in rotary(embeds, position_ids))
+    table, positions_known = getattr(rotary, _ROTARY, None), getattr(getattr(rotary, "config", None), _MAX_POS, 0)
+    if table is None and positions_known:
+        every = torch.arange(positions_known, dtype=position_ids.dtype)[None]
+        x = torch.zeros((1, 1, 1), dtype=torch.float32)  # only its dtype and device are read
+        table = tuple(t[0].to(torch.float32).contiguous() for t in rotary(x, every))
+        setattr(rotary, _ROTARY, table)
+    if table is None or int(positions.max()) >= table[0].shape[0]:
+        return tuple(t[0].to(torch.float32).contiguous() for t in rotary(embeds, position_ids))
+    return table[0][positions], table[1][positions]
+
+
 def fused_forward(
     model, batch, fused: FusedLayers, logits_to_keep: torch.Tensor, want_hidden: bool, tiles: bool = False, **inputs
 ):
@@ -118,7 +144,7 @@ def fused_forward(
     if embeds is None:
         embeds = inner.embed_tokens(inputs["input_ids"])
     h = embeds[0].to(torch.float32).contiguous().clone()  # [T, H], updated in place
-    cos, sin = (t[0].to(torch.float32).contiguous() for t in inner.rotary_emb(embeds, batch.position_ids))  # [T, D]
+    cos, sin = _rotary(inner, embeds, batch.position_ids)  # [T, D] float32
     compiled = batch.compiled
     attention = inner.layers[0].self_attn
     config = model.config

@@ -200,3 +200,24 @@ def test_prompts_of_compact_models_run_fused_on_amx_tiles_apart_from_short_rows(
     assert calls == []
     for session in ("tiles-p", "tiles-q", "tiles-r"):
         runner.on_model_thread(runner.cache.drop, session)
+
+
+@pytest.mark.parametrize("which", ["tiny_loaded", "qwen2_blocks"])
+def test_the_rotary_table_holds_what_the_model_computes_for_any_rows(which, request):
+    """Every step's cos / sin come from a table of every position, built once by the model's own
+    rotary embedding: the same values as computing them per step, wherever a row sits in it."""
+    from specdec.models.fused import _ROTARY, _rotary
+
+    fixture = request.getfixturevalue(which)
+    model = (fixture["target"].runner if which == "tiny_loaded" else fixture).model
+    inner = model.model
+    gen = torch.Generator().manual_seed(3)
+    limit = model.config.max_position_embeddings
+    for rows in (1, 5, 17, 64):
+        positions = torch.randint(0, limit, (1, rows), generator=gen)
+        embeds = torch.zeros((1, rows, model.config.hidden_size))
+        direct = [t[0].to(torch.float32) for t in inner.rotary_emb(embeds, positions)]
+        assert all(torch.equal(a, b) for a, b in zip(_rotary(inner, embeds, positions), direct, strict=True))
+    table = getattr(inner.rotary_emb, _ROTARY)
+    _rotary(inner, torch.zeros((1, 1, model.config.hidden_size)), torch.tensor([[limit - 1]]))
+    assert getattr(inner.rotary_emb, _ROTARY) is table and table[0].shape[0] == limit  # built once
