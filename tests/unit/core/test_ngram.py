@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from specdec.core.ngram import ngram_proposal
+from specdec.core.ngram import lookup_matches, ngram_proposal
 
 
 def test_the_longest_suffix_that_occurred_before_wins():
@@ -63,3 +63,11 @@ def test_a_few_thousand_tokens_are_fast():
     for _ in range(10):
         assert ngram_proposal(prefix, k=8, min_n=1, max_n=32) == []  # the worst case: every n scanned
     assert (time.perf_counter() - started) / 10 < 0.05
+
+
+def test_lookup_matches_where_the_last_n_tokens_occurred_before():
+    assert lookup_matches([1, 2, 3, 1, 2], 2) and lookup_matches([1, 2, 3, 1, 2], 1)
+    assert not lookup_matches([1, 2, 3, 1, 2], 3)  # (3, 1, 2) is new
+    assert not lookup_matches([5, 1, 2], 2)  # (1, 2) only at the end: no earlier occurrence
+    assert not lookup_matches([2, 2], 2) and lookup_matches([2, 2, 2], 2)
+    assert not lookup_matches([1, 2, 1, 2], 0) and not lookup_matches([], 1)
