@@ -884,3 +884,13 @@ def test_dockerignore_lets_in_only_the_drafts_files():
     assert min(shipped) > max(rules.index(p) for p in ("**/*.safetensors", "**/*.bin", "drafts/*/*"))
     assert "!drafts/" in rules and "drafts/**" not in rules
     assert not [p for p in (ROOT / "drafts").iterdir() if p.is_file()], "drafts/ holds only draft folders"
+
+
+def test_compose_lets_the_coordinator_draft_itself_with_one_variable():
+    launches = compose_launches(load_compose({**COMPOSE_REQUIRED, "LOCAL_DRAFT": "suffix"}))
+    coordinators = [launch for launch in launches.values() if launch.module == "coordinator"]
+    assert coordinators
+    for launch in coordinators:
+        assert launch.settings().local_draft == "suffix", f"{launch.where}: LOCAL_DRAFT is not passed on"
+    default = compose_launches(load_compose(COMPOSE_REQUIRED))
+    assert all(launch.settings().local_draft == "" for launch in default.values() if launch.module == "coordinator")
