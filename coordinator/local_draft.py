@@ -16,6 +16,7 @@ from specdec.core.draft_health import DraftHealth
 from specdec.core.lookup import LookupSettings, lookup_drafter, lookup_model_id
 from specdec.core.protocols import Deadline, DraftProposal, DraftRequest
 from specdec.core.sampling import Sampling
+from specdec.rpc.metrics import observe_suffix_cache
 from specdec.rpc.model_service import model_free_info
 from specdec.v1 import common_pb2
 
@@ -41,13 +42,7 @@ class LocalDraft:
     def observe(self, registry) -> None:
         """The suffix draft's cache size, as a draft service reports it (`service` coordinator)."""
         if hasattr(self.drafter, "cached_tokens"):
-            registry.observe(
-                "specdec_suffix_cache_tokens",
-                "tokens the suffix draft keeps indexed across sessions",
-                "gauge",
-                {"service": "coordinator"},
-                lambda: self.drafter.cached_tokens,
-            )
+            observe_suffix_cache(registry, "coordinator", lambda: self.drafter.cached_tokens)
 
 
 def load_local_draft(name: str, settings: LookupSettings, tokenizer_spec: str, tokenizer) -> LocalDraft:

@@ -13,6 +13,7 @@ from draft_service.settings import SUFFIX_MODEL, DraftSettings
 from specdec.core.errors import InvalidArgument
 from specdec.core.protocols import DraftRequest
 from specdec.rpc.errors import grpc_errors
+from specdec.rpc.metrics import observe_suffix_cache
 from specdec.rpc.model_service import (
     CallDeadline,
     GrpcServer,
@@ -134,11 +135,5 @@ def create_server(settings: DraftSettings, loaded: LoadedModel | ServedDraft | N
         load,
     )
     if SUFFIX_MODEL in (settings.model, settings.lookup):
-        grpc_server.registry.observe(
-            "specdec_suffix_cache_tokens",
-            "tokens the suffix draft keeps indexed across sessions",
-            "gauge",
-            {"service": servicer.role},
-            servicer.suffix_cached_tokens,
-        )
+        observe_suffix_cache(grpc_server.registry, servicer.role, servicer.suffix_cached_tokens)
     return grpc_server, grpc_server.port

@@ -352,6 +352,17 @@ def observe_call_batching(registry: Registry, stats) -> None:
         registry.observe(name, help_text, "counter", {}, read)
 
 
+def observe_suffix_cache(registry: Registry, service: str, read: Callable[[], float]) -> None:
+    """The suffix draft's cache size, where it runs (the draft service, or a coordinator's LOCAL_DRAFT)."""
+    registry.observe(
+        "specdec_suffix_cache_tokens",
+        "tokens the suffix draft keeps indexed across sessions",
+        "gauge",
+        {"service": service},
+        read,
+    )
+
+
 def observe_draft_health(registry: Registry, health) -> None:
     """The draft pool's health (`specdec.core.draft_health.DraftHealth`) as read at each scrape."""
     registry.observe(
