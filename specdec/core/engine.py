@@ -302,9 +302,7 @@ class SpeculativeEngine:
         if drafts is None:  # the draft failed or is backing off: this round is target-only
             k, drafts = 0, [_Draft() for _ in running]
         elif k and spec.stop_ngram and spec.decode_steps > 1 and not one_step and not any(d.tokens for d in drafts):
-            return self._decode(
-                verifier, spec, running, spec.decode_steps, round_index, stats, deadline, (k, draft_s, spec.stop_ngram)
-            )
+            return self._decode(verifier, spec, running, spec.decode_steps, round_index, stats, deadline, (k, draft_s))
         started = time.perf_counter()
         event, results, step = self._verify(verifier, spec, running, drafts, round_index, stats, deadline)
         # The policy prices the Verify with the accept/reject work on its laws: both grow with
@@ -435,14 +433,16 @@ class SpeculativeEngine:
         round_index: int,
         stats: Stats,
         deadline: Deadline,
-        asked: tuple[int, float, int] = (0, 0.0, 0),
+        asked: tuple[int, float] = (0, 0.0),
     ) -> tuple[RoundEvent, list[RoundOutcome]]:
         """Rounds round_index.. at K = 0 in one call: each sample's token of round r drawn by the
         target at the uniform this engine's K = 0 round r would draw (`speculative_round`'s bonus),
         so the tokens are those of one call a round. Returns the event and one outcome a round
         played (the call's seconds shared among them: what a K = 0 round costs the K policy).
-        `asked`: (K, seconds, stop_ngram) of the first round's Propose that drafted nothing (`_round`)."""
-        asked_k, draft_s, stop_ngram = asked
+        `asked`: (K, seconds) of the first round's Propose that drafted nothing (`_round`): the stretch
+        then ends where a lookup could match (`spec.stop_ngram`)."""
+        asked_k, draft_s = asked
+        stop_ngram = spec.stop_ngram if asked_k else 0
         budgets = [min(steps, self._room(spec, s)) for s in running]
         requests = [
             VerifyRequest(

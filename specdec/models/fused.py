@@ -117,19 +117,27 @@ def _rotary(inner, embeds: torch.Tensor, position_ids: torch.Tensor) -> tuple[to
     with the default rope each entry is an elementwise function of its position alone, so a table of
     every position, computed once by the same module, holds the same values (and a row's values no
     longer depend on where it sits in a step's tensor). Other rope types (dynamic ones) compute per call."""
-    rotary = inner.rotary_emb
-    positions = position_ids[0]
-    if getattr(rotary, "rope_type", "default") != "default" or positions.device.type != "cpu":
-        return tuple(t[0].to(torch.float32).contiguous() for t in rotary(embeds, position_ids))
-    table, positions_known = getattr(rotary, _ROTARY, None), getattr(getattr(rotary, "config", None), _MAX_POS, 0)
-    if table is None and positions_known:
-        every = torch.arange(positions_known, dtype=position_ids.dtype)[None]
-        x = torch.zeros((1, 1, 1), dtype=torch.float32)  # only its dtype and device are read
-        table = tuple(t[0].to(torch.float32).contiguous() for t in rotary(x, every))
-        setattr(rotary, _ROTARY, table)
+    rotary, positions = inner.rotary_emb, position_ids[0]
+    table = _rotary_table(rotary) if positions.device.type == "cpu" else None
     if table is None or int(positions.max()) >= table[0].shape[0]:
-        return tuple(t[0].to(torch.float32).contiguous() for t in rotary(embeds, position_ids))
+        return _cos_sin(rotary, embeds, position_ids)
     return table[0][positions], table[1][positions]
+
+
+def _rotary_table(rotary) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, sin) [positions, D] of every position the model has, built on first use; None for other
+    rope types or a module without a position limit."""
+    table = getattr(rotary, _ROTARY, None)
+    limit = getattr(getattr(rotary, "config", None), _MAX_POS, 0)
+    if table is None and limit and getattr(rotary, "rope_type", "default") == "default":
+        x = torch.zeros((1, 1, 1), dtype=torch.float32)  # only its dtype and device are read
+        table = _cos_sin(rotary, x, torch.arange(limit)[None])
+        setattr(rotary, _ROTARY, table)
+    return table
+
+
+def _cos_sin(rotary, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t[0].to(torch.float32).contiguous() for t in rotary(x, position_ids))
 
 
 def fused_forward(
