@@ -122,9 +122,9 @@ class Generator:
             return self._resume(request, deadline, stack, tenant, streaming)
         params = validate_request(request, self.settings, streaming)
         pools = self.pool_info(deadline, params.num_speculative_tokens > 0)
-        if params.num_speculative_tokens > 0 and pools.compatible_error:
+        if params.num_speculative_tokens > 0 and pools.compatible_error and not pools.target.lookup:
             raise FailedPrecondition(pools.compatible_error)
-        draft_down = params.num_speculative_tokens > 0 and pools.draft is None
+        draft_down = params.num_speculative_tokens > 0 and pools.draft is None and not pools.target.lookup
         if draft_down:  # its Info failed: its needs and limits are unknown, every round runs at K = 0
             params = replace(params, num_speculative_tokens=0, auto_k=False)
         session_id, lease, record = self._session(request, params.num_samples, tenant, stack)
@@ -147,10 +147,9 @@ class Generator:
         fresh = coordinator_pb2.GenerateRequest(max_new_tokens=1, num_speculative_tokens=0, seed=0)
         base = self._spec(fresh, validate_request(fresh, self.settings, False), pools, record.token_ids, session_id)
         spec, sample, first_round = resumed(record.generation, record.token_ids, base)
-        draft_down = spec.num_speculative_tokens > 0 and pools.draft is None
-        if spec.num_speculative_tokens > 0 and (pools.compatible_error or draft_down):
+        draft_down = spec.num_speculative_tokens > 0 and pools.draft is None and not spec.target_lookup
+        if spec.num_speculative_tokens > 0 and ((pools.compatible_error and not spec.target_lookup) or draft_down):
             spec = replace(spec, num_speculative_tokens=0, auto_k=False)  # still the same law
-        spec = replace(spec, max_draft_context=pools.draft.max_position_embeddings if pools.draft else 0)
         resumed_tokens = len(sample.generated)
         return Generation(
             spec,
@@ -173,6 +172,8 @@ class Generator:
             raise InvalidArgument(
                 f"{len(context_ids)} context tokens leave no room in the target's {max_context} positions"
             )
+        # A target with a lookup draft drafts every round itself: the draft pool is not asked.
+        draft = None if pools.target.lookup else pools.draft
         return GenerationSpec(
             context_token_ids=context_ids,
             max_new_tokens=params.max_new_tokens,
@@ -181,19 +182,20 @@ class Generator:
             num_speculative_tokens=params.num_speculative_tokens,
             auto_k=params.auto_k,
             verify_costs=tuple(pools.target.forward_cost_ms),
-            draft_costs=tuple(pools.draft.forward_cost_ms) if pools.draft is not None else (),
+            draft_costs=tuple(draft.forward_cost_ms) if draft is not None else (),
             stop=tuple(request.stop),
             eos_token_ids=frozenset() if request.ignore_eos else frozenset(pools.target.eos_token_ids),
             num_samples=params.num_samples,
             max_context=max_context,
-            max_draft_context=pools.draft.max_position_embeddings if pools.draft is not None else 0,
-            draft_needs_hidden=pools.draft is not None and pools.draft.needs_target_hidden_states,
-            draft_lookup=pools.draft is not None and bool(pools.draft.lookup),
+            max_draft_context=draft.max_position_embeddings if draft is not None else 0,
+            draft_needs_hidden=draft is not None and draft.needs_target_hidden_states,
+            draft_lookup=draft is not None and bool(draft.lookup),
             # Without a session (in-process) the model caches still want a key per call.
             cache_key=session_id or secrets.token_hex(8),
             sample_batch_size=self.settings.sample_batch_size,
             decode_steps=max(1, min(self.settings.decode_steps, pools.target.max_decode_steps)),
             stop_ngram=self.settings.decode_stop_ngram,
+            target_lookup=bool(pools.target.lookup),
         )
 
     def rounds(self, gen: Generation, is_active: Callable[[], bool], streaming: bool) -> Iterator[RoundEvent]:

@@ -93,7 +93,7 @@ class Pools:
             info = self._first_target_info(deadline)
         elif time.monotonic() - self._info_at >= self.refresh_s:
             self._refresh_in_background()
-        if need_draft and info.draft is None:
+        if need_draft and info.draft is None and not info.target.lookup:  # (such a target drafts itself)
             info = self._draft_info(deadline)
         return info
 

@@ -19,8 +19,9 @@ turns quote earlier ones) and open-ended. `--prompts FILE` takes JSONL instead, 
 Drafters (DRAFTERS below; adding one is a line there): `model` is the distilled draft (`--draft`,
 default the one `make run` serves), `ngram` and `suffix` the model-free drafts, `hybrid` the model
 with the suffix lookup tried first (`hybrid-ngram`: with ngram), as SPECDEC_DRAFT_MODEL /
-SPECDEC_DRAFT_LOOKUP or the in-process pipeline's draft; LABEL=SPEC names any other draft model,
-e.g. `tokens=drafts/smollm2-135m-instruct-2l`.
+SPECDEC_DRAFT_LOOKUP or the in-process pipeline's draft; `target-ngram` / `target-suffix` the
+target drafting every round itself with that lookup (SPECDEC_TARGET_LOOKUP: several rounds a call);
+LABEL=SPEC names any other draft model, e.g. `tokens=drafts/smollm2-135m-instruct-2l`.
 Drafters run one after the other (each with its own K = 0 baseline); inside one, for every
 conversation, each temperature, then every K (order rotated per conversation), then every mode, so
 drift over time hits K = 0 and K > 0 alike. Requests go through the chat template (the client's
@@ -178,8 +179,9 @@ class InProcessRunner:
         that learns across sessions (suffix, hybrid) would propose one config's answer to the next.
         Such a drafter offers reset(), called before every conversation so each starts cold."""
         drafter = getattr(getattr(self.pipeline, "draft", None), "drafter", None)
-        if callable(reset := getattr(drafter, "reset", None)):
-            reset()
+        for each in (drafter, getattr(self.pipeline, "target_lookup", None)):
+            if callable(reset := getattr(each, "reset", None)):
+                reset()
 
     def start_alike(self, conversation: Conversation, warm: bool) -> None:
         """Before a timed call: both models' KV caches emptied, whatever ran before; `warm`: then the
@@ -260,20 +262,25 @@ class HfGenerateRunner(InProcessRunner):
 
 @dataclass(frozen=True)
 class Drafter:
-    """A --drafters entry: its label in the results, the draft model spec and the lookup (hybrid)."""
+    """A --drafters entry: its label in the results, the draft model spec, the lookup (hybrid) and
+    the target's own lookup."""
 
     label: str
     model: str  # SPECDEC_DRAFT_MODEL, or the in-process pipeline's draft
     lookup: str = ""  # SPECDEC_DRAFT_LOOKUP: a model-free draft tried before the model (hybrid)
+    target_lookup: str = ""  # SPECDEC_TARGET_LOOKUP: the target drafts every round itself (no draft pool)
 
 
-# name -> (draft model, lookup); MODEL_DRAFTER stands for --draft. Adding a drafter is one line here.
+# name -> (draft model, lookup, target's lookup); MODEL_DRAFTER stands for --draft. Adding a drafter
+# is one line here. target-*: the draft service runs (model-free, unused) but the target drafts.
 DRAFTERS = {
-    "model": (MODEL_DRAFTER, ""),
-    "ngram": ("ngram", ""),
-    "suffix": ("suffix", ""),
-    "hybrid": (MODEL_DRAFTER, "suffix"),
-    "hybrid-ngram": (MODEL_DRAFTER, "ngram"),
+    "model": (MODEL_DRAFTER, "", ""),
+    "ngram": ("ngram", "", ""),
+    "suffix": ("suffix", "", ""),
+    "hybrid": (MODEL_DRAFTER, "suffix", ""),
+    "hybrid-ngram": (MODEL_DRAFTER, "ngram", ""),
+    "target-ngram": ("ngram", "", "ngram"),
+    "target-suffix": ("ngram", "", "suffix"),
 }
 
 
@@ -286,8 +293,8 @@ def parse_drafter(entry: str, model_draft: str) -> Drafter:
         return Drafter(label, spec)
     if entry not in DRAFTERS:
         raise ValueError(f"unknown drafter {entry!r}; choose from {sorted(DRAFTERS)} or give LABEL=SPEC")
-    model, lookup = DRAFTERS[entry]
-    return Drafter(entry, model_draft if model == MODEL_DRAFTER else model, lookup)
+    model, lookup, target_lookup = DRAFTERS[entry]
+    return Drafter(entry, model_draft if model == MODEL_DRAFTER else model, lookup, target_lookup)
 
 
 @contextmanager
@@ -302,9 +309,11 @@ def open_runners(drafter: Drafter, modes: list[str], args) -> Iterator[dict]:
 
             # lookup only for a hybrid: other drafters keep the pipeline's own default.
             extra = {"lookup": drafter.lookup} if drafter.lookup else {}
+            if drafter.target_lookup:  # (no draft to load: the target drafts)
+                extra = {"draft": None, "target_lookup": drafter.target_lookup}
             # Closed with the drafter: a pipeline left open keeps its model thread's OpenMP team,
             # which throttled the next drafter's forwards (its K = 0 rounds 1.4x slower, measured).
-            pipeline = exits.enter_context(InProcessPipeline(args.target, drafter.model, **extra))
+            pipeline = exits.enter_context(InProcessPipeline(args.target, **({"draft": drafter.model} | extra)))
             if "in-process" in modes:
                 runners["in-process"] = InProcessRunner(pipeline)
             if HF_MODE in modes:
@@ -337,9 +346,11 @@ def _grpc_client(drafter: Drafter, args):
             "SPECDEC_TARGET_MODEL": args.target,
             "SPECDEC_DRAFT_MODEL": drafter.model,
             "SPECDEC_DRAFT_LOOKUP": drafter.lookup,
+            "SPECDEC_TARGET_LOOKUP": drafter.target_lookup,
             "SPECDEC_DRAFT_TOKENIZER": args.target,  # a model-free draft's vocabulary
         }
-        log(f"starting the stack: target {args.target}, draft {drafter.model} {drafter.lookup}")
+        drafts = f"{drafter.model} {drafter.lookup}"
+        log(f"starting the stack: target {args.target} {drafter.target_lookup}, draft {drafts}")
         with _environment(env), redirect_stdout(sys.stderr):  # stdout carries only results (--json)
             address = stack.up()["coordinator"]
     try:
@@ -899,7 +910,9 @@ def run_info(args: argparse.Namespace, plan: Plan, drafters: list[Drafter], mode
         "type": "run",
         "target": args.target,
         "matmul_dtype": args.matmul_dtype,
-        "drafters": {d.label: {"model": d.model, "lookup": d.lookup} for d in drafters},
+        "drafters": {
+            d.label: {"model": d.model, "lookup": d.lookup, "target_lookup": d.target_lookup} for d in drafters
+        },
         "modes": modes,
         "ks": plan.ks,
         "temperatures": plan.temperatures,

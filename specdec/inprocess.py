@@ -28,14 +28,15 @@ def _pool_info(target, draft) -> PoolInfo:
     return PoolInfo(target.info, draft.info, compatibility_error(draft.info, target.info))
 
 
-def _load(target: str, draft: str | None, lookup: str | None):
-    """(target LoadedModel, the draft a draft service would serve (`ServedDraft`) or None, the
-    target's tokenizer). Each model's settings are its service's: flags none, SPECDEC_TARGET_* /
-    SPECDEC_DRAFT_* env vars, then `target`, `draft` (model, ngram or suffix) and `lookup`
-    (hybrid) when given."""
+def _load(target: str, draft: str | None, lookup: str | None, target_lookup: str | None = None):
+    """(target LoadedModel, its own lookup draft or None, the draft a draft service would serve
+    (`ServedDraft`) or None, the target's tokenizer). Each model's settings are its service's:
+    flags none, SPECDEC_TARGET_* / SPECDEC_DRAFT_* env vars, then `target`, `target_lookup`,
+    `draft` (model, ngram or suffix) and `lookup` (hybrid) when given."""
     import os
 
     from draft_service.loading import load_draft
+    from specdec.core.lookup import lookup_drafter
     from draft_service.settings import DraftSettings
     from specdec.models.sources import load_tokenizer
     from specdec.models.threads import set_torch_threads
@@ -45,15 +46,19 @@ def _load(target: str, draft: str | None, lookup: str | None):
 
     set_torch_threads(1)  # before this thread's first torch op: no team of its own (`load_model`)
 
-    loaded_target = load_model(
-        load_settings(TargetSettings, [], os.environ, prog="target settings", model=target), "target"
-    )
+    target_overrides = {"model": target} | ({} if target_lookup is None else {"lookup": target_lookup})
+    target_settings = load_settings(TargetSettings, [], os.environ, prog="target settings", **target_overrides)
+    loaded_target = load_model(target_settings, "target")
+    own_lookup = None
+    if target_settings.lookup:  # (named in its Info, as the target service's)
+        loaded_target.info.lookup = target_settings.lookup
+        own_lookup = lookup_drafter(target_settings.lookup, target_settings)
     tokenizer = load_tokenizer(target)
     if not draft:
-        return loaded_target, None, tokenizer
+        return loaded_target, own_lookup, None, tokenizer
     overrides = {"model": draft, "tokenizer": target} | ({} if lookup is None else {"lookup": lookup})
     settings = load_settings(DraftSettings, [], os.environ, prog="draft settings", **overrides)
-    return loaded_target, load_draft(settings, tokenizer), tokenizer
+    return loaded_target, own_lookup, load_draft(settings, tokenizer), tokenizer
 
 
 class InProcessPipeline:
@@ -64,25 +69,29 @@ class InProcessPipeline:
         target: str = DEFAULT_MODEL,
         draft: str | None = DEFAULT_DRAFT,
         lookup: str | None = None,
+        target_lookup: str | None = None,
         **coordinator_settings,
     ):
         """`draft`: a model, 'ngram', 'suffix' or None; `lookup` ('ngram' / 'suffix') with a model:
-        hybrid (None: SPECDEC_DRAFT_LOOKUP, as the draft service reads it)."""
+        hybrid (None: SPECDEC_DRAFT_LOOKUP, as the draft service reads it); `target_lookup` ('' /
+        'ngram' / 'suffix'): the target's own lookup, which then drafts every round (None:
+        SPECDEC_TARGET_LOOKUP, as the target service reads it)."""
         from target_service.verifier import LocalVerifier
 
         # Load on a thread that then ends, as the model services do: torch ops on a long-lived
         # thread (the caller's) leave an OpenMP team behind that slows every multi-row forward
         # the model thread runs later (a 2-token Verify here: ~150 ms against ~113 ms).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-loader") as loader:
-            self.target, self.draft, self.tokenizer = loader.submit(_load, target, draft, lookup).result()
+            loading = loader.submit(_load, target, draft, lookup, target_lookup)
+            self.target, self.target_lookup, self.draft, self.tokenizer = loading.result()
         pools = _pool_info(self.target, self.draft)
         drafter = None if self.draft is None else self.draft.drafter
         if self.draft is not None and self.draft.runner is not None:
             # One OpenMP team for both models, as one service process has for its one model.
             self.draft.runner.share_model_thread(self.target.runner)
         self.decode = TokenizerText(self.tokenizer)
-        engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner), self.decode)
-        if self.draft is None:
+        engine = SpeculativeEngine(drafter, LocalVerifier(self.target.runner, self.target_lookup), self.decode)
+        if self.draft is None and self.target_lookup is None:
             coordinator_settings.setdefault("default_num_speculative_tokens", "0")
         settings = CoordinatorSettings(tokenizer=target, **coordinator_settings)
         self.generator = Generator(settings, engine, lambda deadline, need_draft: pools, self.tokenizer, store=None)

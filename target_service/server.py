@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from specdec.core.errors import InvalidArgument
+from dataclasses import replace
+
+from specdec.core.lookup import SuffixDrafter, lookup_drafter
 from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM, VerifyRequest
 from specdec.rpc.errors import grpc_errors
 from specdec.rpc.model_service import (
@@ -17,32 +20,58 @@ from specdec.rpc.model_service import (
     validate_token_ids,
 )
 from specdec.rpc.wire import sampling_from_proto, verify_response
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.rpc.metrics import observe_suffix_cache
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.settings import TargetSettings
 from target_service.verifier import verify_scheduled
 
 
-def _decode_steps_of(seq: target_pb2.VerifySequence, vocab_size: int) -> tuple[tuple[float, ...], frozenset[int]]:
-    """A sequence's decode uniforms and stop tokens, InvalidArgument unless they can run."""
+def _rounds_of(seq: target_pb2.VerifySequence, vocab_size: int, max_lookup_k: int) -> dict:
+    """A sequence's decode uniforms, stop tokens, stop n, lookup K and token bound as VerifyRequest
+    fields; InvalidArgument unless they can run (`max_lookup_k`: 0 where this target has no lookup)."""
     uniforms = tuple(seq.decode_uniforms)
     if seq.stop_ngram > MAX_STOP_NGRAM:
         raise InvalidArgument(f"stop_ngram must be in [0, {MAX_STOP_NGRAM}], got {seq.stop_ngram}")
     if not uniforms:
-        if seq.stop_ngram:
-            raise InvalidArgument("stop_ngram goes with decode_uniforms")
-        return (), frozenset()
+        if seq.stop_ngram or seq.lookup_k or seq.max_tokens:
+            raise InvalidArgument("stop_ngram, lookup_k and max_tokens go with decode_uniforms")
+        return {}
     if seq.draft_token_ids or seq.HasField("hidden_states_from"):
-        raise InvalidArgument("decode_uniforms run at K = 0 without hidden states")
-    if len(uniforms) > MAX_DECODE_STEPS:
-        raise InvalidArgument(f"{len(uniforms)} decode steps, the limit is {MAX_DECODE_STEPS}")
+        raise InvalidArgument("decode_uniforms run without draft tokens or hidden states")
+    if seq.lookup_k and not max_lookup_k:
+        raise InvalidArgument("lookup_k needs a target with a lookup draft (SPECDEC_TARGET_LOOKUP); this one has none")
+    if seq.lookup_k > max_lookup_k:
+        raise InvalidArgument(f"lookup_k must be in [0, {max_lookup_k}], got {seq.lookup_k}")
+    block = seq.lookup_k + 1
+    if len(uniforms) % block or len(uniforms) > MAX_DECODE_STEPS * block:
+        raise InvalidArgument(
+            f"{len(uniforms)} decode uniforms: lookup_k + 1 = {block} a round, at most {MAX_DECODE_STEPS} rounds"
+        )
     if not all(0.0 <= u < 1.0 for u in uniforms):
         raise InvalidArgument("decode_uniforms must be in [0, 1)")
     validate_token_ids(list(seq.stop_token_ids), vocab_size, "stop_token_ids")
-    return uniforms, frozenset(seq.stop_token_ids)
+    return dict(
+        decode_uniforms=uniforms,
+        stop_token_ids=frozenset(seq.stop_token_ids),
+        stop_ngram=seq.stop_ngram,
+        lookup_k=seq.lookup_k,
+        max_tokens=seq.max_tokens,
+    )
 
 
 class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
     role = "target"
+
+    def __init__(self, settings: TargetSettings):
+        super().__init__(settings)
+        self.lookup = lookup_drafter(settings.lookup, settings) if settings.lookup else None
+
+    def attach(self, loaded: LoadedModel) -> None:
+        """The model, its Info naming this service's lookup draft (ModelInfo.lookup)."""
+        info = common_pb2.ModelInfo()
+        info.CopyFrom(loaded.info)
+        info.lookup = self.settings.lookup
+        super().attach(replace(loaded, info=info))
 
     def _requests(self, request: target_pb2.VerifyRequest) -> list[VerifyRequest]:
         runner = self.loaded.runner
@@ -61,10 +90,20 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             hidden_from = seq.hidden_states_from if seq.HasField("hidden_states_from") else None
             if hidden_from is not None and not 0 <= hidden_from < len(prefix):
                 raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
-            uniforms, stops = _decode_steps_of(seq, runner.vocab_size)
-            validate_length(len(prefix) + len(uniforms) - 1, runner.max_positions)
-            parsed.append(VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, 0, uniforms, stops, seq.stop_ngram))
+            request = VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, **self._rounds(seq))
+            validate_length(len(prefix) + max(0, self._most_tokens(request) - 1), runner.max_positions)
+            parsed.append(request)
         return parsed
+
+    def _rounds(self, seq: target_pb2.VerifySequence) -> dict:
+        max_lookup_k = self.settings.max_draft_tokens if self.lookup is not None else 0
+        return _rounds_of(seq, self.loaded.runner.vocab_size, max_lookup_k)
+
+    @staticmethod
+    def _most_tokens(request: VerifyRequest) -> int:
+        """Tokens its rounds may add: each K + 1, at most max_tokens."""
+        most = request.rounds * (request.lookup_k + 1)
+        return min(most, request.max_tokens) if request.max_tokens else most
 
     @grpc_errors
     def Verify(self, request, context):  # noqa: N802 - gRPC name
@@ -75,7 +114,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
         runner, requests = self.loaded.runner, self._requests(request)
         # The sequences join the model's scheduler (batched with other calls' sequences); none
         # runs once the caller has gone, even after waiting for its step.
-        return verify_response(verify_scheduled(runner, requests, sampling, CallDeadline.of(context)))
+        return verify_response(verify_scheduled(runner, requests, sampling, CallDeadline.of(context), self.lookup))
 
     @grpc_errors
     def Info(self, request, context):  # noqa: N802
@@ -92,4 +131,6 @@ def create_server(settings: TargetSettings, loaded: LoadedModel | None = None) -
         target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
         loaded,
     )
+    if isinstance(servicer.lookup, SuffixDrafter):
+        observe_suffix_cache(grpc_server.registry, servicer.role, lambda: servicer.lookup.cached_tokens)
     return grpc_server, grpc_server.port

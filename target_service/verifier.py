@@ -15,48 +15,82 @@ import numpy as np
 import torch
 
 from specdec.core.engine import check_laws
+from specdec.core.errors import InvalidArgument
 from specdec.core.ngram import lookup_matches
-from specdec.core.protocols import NO_DEADLINE, Deadline, VerifyRequest, VerifyResult
-from specdec.core.sampling import Sampling, draw
+from specdec.core.protocols import NO_DEADLINE, Deadline, Drafter, DraftRequest, VerifyRequest, VerifyResult
+from specdec.core.sampling import Sampling, speculative_round
 from specdec.models.runner import LogitsResult, ModelRunner, StepItem
 from specdec.models.scheduler import SessionTask, Task, run_tasks, scheduler_for
 from specdec.models.warping import wire_laws
 
 
-def verify_task(request: VerifyRequest) -> Task:
+def verify_task(request: VerifyRequest, lookup: Drafter | None = None) -> Task:
     """One sequence's forward over prefix + drafts (a scheduler task of one step); it receives
     (its laws [K+1, V] float32 as sent, the LogitsResult) from `verify_laws`. With decode
-    uniforms, one step per uniform instead (`_decode_task`)."""
+    uniforms, rounds played here instead (`_rounds_task`), drafted by `lookup` at lookup_k."""
+    if request.decode_uniforms:
+        return (yield from _rounds_task(request, lookup))
     probs, result = yield StepItem(
         request.cache_key,
         request.prefix_token_ids + request.draft_token_ids,
         len(request.draft_token_ids) + 1,
         hidden_from=request.hidden_from,
     )
-    if request.decode_uniforms:
-        return (yield from _decode_task(request, probs, result))
     hidden = result.hidden.numpy() if result.hidden is not None else None  # [len - hidden_from, H]
     return VerifyResult(probs, result.cached_tokens, hidden, result.step_sequences, result.step_rows)
 
 
-def _decode_task(request: VerifyRequest, probs: np.ndarray, first: LogitsResult) -> Task:
-    """Target-only rounds without the round trips: each step's token drawn from its law [1, V] at
-    its uniform, as the coordinator's K = 0 round draws it from the same float32 law
-    (`speculative_round`'s bonus), then the next step over it; the session's cache keeps every step.
-    Ends after a stop token, or where a lookup of stop_ngram tokens would match (the coordinator
+class _Uniforms:
+    """A round's block of the coordinator's uniforms, read as `speculative_round` reads its rng."""
+
+    def __init__(self, values: Sequence[float]):
+        self._values = iter(values)
+
+    def random(self) -> float:
+        return next(self._values)
+
+
+def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
+    """Rounds without the round trips: each drafts up to lookup_k point masses by `lookup` (none at
+    lookup_k = 0: a decode step), runs one step over them and plays `speculative_round` on its laws
+    at its block of uniforms, as the coordinator's round would on the same float32 laws; the next
+    round steps from its tokens (the session's cache rolls back what was rejected). Ends after a
+    stop token, at max_tokens, or where a lookup of stop_ngram tokens would match (the coordinator
     drafts from there)."""
-    tokens, decoded, result = list(request.prefix_token_ids), [], first
-    for step, uniform in enumerate(request.decode_uniforms):
-        if step:
-            probs, result = yield StepItem(request.cache_key, list(tokens), 1)
+    tokens, decoded, played, first = list(request.prefix_token_ids), [], [], None
+    block, limit = request.lookup_k + 1, request.max_tokens or len(request.decode_uniforms)
+    for r in range(request.rounds):
+        k = min(request.lookup_k, limit - len(decoded) - 1)
+        drafts = _lookup(lookup, request, tokens, k) if k > 0 else []
+        probs, result = yield StepItem(request.cache_key, tokens + drafts, len(drafts) + 1)
+        first = result if first is None else first
         check_laws("target", probs)  # what the coordinator checks of laws it is sent
-        token = draw(probs[0], uniform)
-        decoded.append(token)
-        tokens.append(token)
-        if token in request.stop_token_ids or lookup_matches(tokens, request.stop_ngram):
+        uniforms = _Uniforms(request.decode_uniforms[r * block : (r + 1) * block])
+        outcome = speculative_round(drafts, None, probs, uniforms)
+        decoded += outcome.tokens
+        tokens += outcome.tokens
+        played.append((len(drafts), len(outcome.accepted_tokens)))
+        if (
+            len(decoded) >= limit
+            or not request.stop_token_ids.isdisjoint(outcome.tokens)
+            or lookup_matches(tokens, request.stop_ngram)
+        ):
             break
     laws = np.empty((0, 0), np.float32)
-    return VerifyResult(laws, first.cached_tokens, None, result.step_sequences, result.step_rows, tuple(decoded))
+    rounds = tuple(played) if request.lookup_k else ()
+    step = (result.step_sequences, result.step_rows)
+    return VerifyResult(laws, first.cached_tokens, None, *step, tuple(decoded), rounds)
+
+
+_NO_SAMPLING = Sampling()  # (a lookup draft's point masses read no sampling parameters)
+
+
+def _lookup(lookup: Drafter, request: VerifyRequest, tokens: list[int], k: int) -> list[int]:
+    """The lookup's point masses for the sequence so far (its seed unused: a lookup draws nothing)."""
+    if lookup is None:
+        raise InvalidArgument("lookup_k needs a target with a lookup draft (SPECDEC_TARGET_LOOKUP)")
+    (proposal,) = lookup.propose([DraftRequest(request.cache_key, tokens, k, 0)], _NO_SAMPLING, NO_DEADLINE)
+    return list(proposal.draft_token_ids)[:k]
 
 
 def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple[np.ndarray, LogitsResult]]]:
@@ -72,35 +106,46 @@ def verify_laws(sampling: Sampling) -> Callable[[list[LogitsResult]], list[tuple
     return prepare
 
 
-def _tasks(requests: Sequence[VerifyRequest]) -> list[SessionTask]:
-    return [(r.cache_key, verify_task(r)) for r in requests]
+def _tasks(requests: Sequence[VerifyRequest], lookup: Drafter | None) -> list[SessionTask]:
+    return [(r.cache_key, verify_task(r, lookup)) for r in requests]
 
 
 def verify(
-    runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline = NO_DEADLINE
+    runner: ModelRunner,
+    requests: Sequence[VerifyRequest],
+    sampling: Sampling,
+    deadline: Deadline = NO_DEADLINE,
+    lookup: Drafter | None = None,
 ) -> list[VerifyResult]:
     """One forward per sequence on this thread, the sequences in one step (direct calls)."""
-    return run_tasks(runner, _tasks(requests), deadline, verify_laws(sampling))
+    return run_tasks(runner, _tasks(requests, lookup), deadline, verify_laws(sampling))
 
 
 def verify_scheduled(
-    runner: ModelRunner, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline
+    runner: ModelRunner,
+    requests: Sequence[VerifyRequest],
+    sampling: Sampling,
+    deadline: Deadline,
+    lookup: Drafter | None = None,
 ) -> list[VerifyResult]:
     """The sequences on the model's scheduler, batched with every other call's; none runs once
-    `deadline` has passed (or the caller left) while it waited."""
+    `deadline` has passed (or the caller left) while it waited. `lookup`: the target's own lookup
+    draft, for rounds it plays (VerifyRequest.lookup_k)."""
     steps_on = any(r.decode_uniforms for r in requests)  # decode steps do not wait for company
-    return scheduler_for(runner).run(_tasks(requests), deadline, verify_laws(sampling), steps_on)
+    return scheduler_for(runner).run(_tasks(requests, lookup), deadline, verify_laws(sampling), steps_on)
 
 
 class LocalVerifier:
-    """The engine's Verifier for a model loaded in this process (`specdec generate --in-process`)."""
+    """The engine's Verifier for a model loaded in this process (`specdec generate --in-process`);
+    `lookup`: its own lookup draft, as a target service's (`SPECDEC_TARGET_LOOKUP`)."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, lookup: Drafter | None = None):
         self.runner = runner
+        self.lookup = lookup
 
     def verify(self, requests: Sequence[VerifyRequest], sampling: Sampling, deadline: Deadline) -> list[VerifyResult]:
         deadline.check()
-        results = verify_scheduled(self.runner, list(requests), sampling, deadline)
+        results = verify_scheduled(self.runner, list(requests), sampling, deadline, self.lookup)
         # Hidden states as the wire carries them (float16), so a hidden-state draft reads the
         # same numbers in both modes.
         return [r if r.hidden is None else replace(r, hidden=r.hidden.astype(np.float16)) for r in results]

@@ -33,11 +33,12 @@ def start_stack(
     draft_loaded=None,
     model_tls: dict | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    target_overrides: dict | None = None,
     **coordinator_overrides,
 ) -> Stack:
     """Draft, target and coordinator as real gRPC servers on free loopback ports.
 
-    `model_tls`: the draft's and target's tls_* settings; TLS to the coordinator is its own
+    `model_tls`: the draft's and target's tls_* settings (`target_overrides`: the target's others); TLS to the coordinator is its own
     tls_* settings (in `coordinator_overrides`), and `credentials` are what `Stack.channel` shows it.
     """
     model_tls = model_tls or {}
@@ -55,7 +56,10 @@ def start_stack(
         draft_loaded or loaded["draft"],
     )
     target_server, target_port = create_target(
-        load_settings(TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0, **model_tls), loaded["target"]
+        load_settings(
+            TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=0, **model_tls, **(target_overrides or {})
+        ),
+        loaded["target"],
     )
     overrides = dict(
         host="127.0.0.1",

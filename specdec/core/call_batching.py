@@ -51,7 +51,7 @@ class _Call:
     @property
     def steps(self) -> int:
         """Steps its call holds the pool for: a caller of one step does not wait out decode steps."""
-        return max((len(r.decode_uniforms) for r in self.requests), default=0) or 1
+        return max((r.rounds for r in self.requests), default=0) or 1
 
 
 def _latest(deadlines: Sequence[Deadline]) -> Deadline:

@@ -20,7 +20,7 @@ import numpy as np
 from specdec.core.draft_health import DraftHealth
 from specdec.core.errors import InconsistentDraftError, ServiceError
 from specdec.core.hidden import HiddenStateRelay
-from specdec.core.kpolicy import AdaptiveK, DecodeRecord, DraftRecord, FixedK, RoundOutcome
+from specdec.core.kpolicy import AdaptiveK, DecodeRecord, DraftRecord, FixedK, RoundOutcome, curve_at
 from specdec.core.ngram import lookup_matches
 from specdec.core.protocols import (
     Deadline,
@@ -85,6 +85,10 @@ class GenerationSpec:
     # own, ending where a lookup of this many tokens would match (VerifyRequest.stop_ngram), so the
     # next round drafts there. 0 = a round of its own.
     stop_ngram: int = 0
+    # The target drafts rounds itself by its own lookup (its ModelInfo.lookup): a round at K > 0 is a
+    # call of up to decode_steps such rounds (VerifyRequest.lookup_k), no Propose, no round trip
+    # between them; the drafter is never called.
+    target_lookup: bool = False
 
     def sample_cache_key(self, index: int) -> str:
         """The model services' KV-cache key of sample `index`: each of several samples has its own
@@ -218,6 +222,29 @@ def _step_share(requests: list[VerifyRequest], results: list[VerifyResult]) -> t
     return others, step.step_rows, min(own_rows, step.step_rows)
 
 
+def _lookup_rounds(
+    spec: GenerationSpec, result: VerifyResult, request: VerifyRequest
+) -> list[tuple[int, RoundResult]]:
+    """The rounds of a call the target drafted by lookup (`VerifyRequest.lookup_k`), as (tokens drafted,
+    what the round emitted); ServiceError unless each drafted at most lookup_k, accepted at most what
+    it drafted, their tokens add up, and the call took every round it could or ended on a stop token."""
+    tokens, rounds = list(result.decoded_token_ids), result.round_drafts
+    fits = 1 <= len(rounds) <= request.rounds and all(0 <= a <= d <= request.lookup_k for d, a in rounds)
+    if not fits or sum(a + 1 for _, a in rounds) != len(tokens) or len(tokens) > request.max_tokens:
+        raise ServiceError(f"target returned rounds {list(rounds)} ({len(tokens)} tokens) for {request.rounds} rounds")
+    played, start = [], 0
+    for drafted, accepted in rounds:
+        emitted = tokens[start : start + accepted + 1]
+        last = emitted[-1]  # recovered at a rejection, else the bonus
+        rejected = accepted < drafted
+        played.append((drafted, RoundResult(emitted[:-1], last if rejected else None, None if rejected else last)))
+        start += accepted + 1
+    short = len(rounds) < request.rounds and len(tokens) < request.max_tokens
+    if short and spec.eos_token_ids.isdisjoint(played[-1][1].tokens):
+        raise ServiceError(f"target played {len(rounds)} of {request.rounds} rounds without a stop token")
+    return played
+
+
 class SpeculativeEngine:
     """`health`: the draft pool's, shared by every request (by default the drafter's own, as a
     DraftClient keeps one): while the draft is down, rounds run at K = 0 instead of failing."""
@@ -264,7 +291,10 @@ class SpeculativeEngine:
             k = policy.choose()
             one_step = round_index == first_round or verifier is not self.verifier  # (`_steps_of_round`)
             steps = self._steps_of_round(spec, policy, k, one_step)
-            if steps > 1:
+            if k and spec.target_lookup:
+                rounds = 1 if one_step else spec.decode_steps
+                event, played = self._decode(verifier, spec, running, rounds, round_index, stats, deadline, lookup_k=k)
+            elif steps > 1:
                 event, played = self._decode(verifier, spec, running, steps, round_index, stats, deadline)
             else:
                 event, played = self._round(
@@ -434,43 +464,74 @@ class SpeculativeEngine:
         stats: Stats,
         deadline: Deadline,
         asked: tuple[int, float] = (0, 0.0),
+        lookup_k: int = 0,
     ) -> tuple[RoundEvent, list[RoundOutcome]]:
-        """Rounds round_index.. at K = 0 in one call: each sample's token of round r drawn by the
-        target at the uniform this engine's K = 0 round r would draw (`speculative_round`'s bonus),
-        so the tokens are those of one call a round. Returns the event and one outcome a round
-        played (the call's seconds shared among them: what a K = 0 round costs the K policy).
+        """Rounds round_index.. in one call, played by the target: at K = 0 each sample's token of
+        round r drawn at the uniform this engine's K = 0 round r would draw (`speculative_round`'s
+        bonus); at `lookup_k` each round drafted by the target's own lookup and played by
+        `speculative_round` on the first lookup_k + 1 uniforms of round r's stream, as this engine
+        plays a round of point masses. Returns the event and one outcome a round played (the
+        call's seconds shared among them: what such a round costs the K policy).
         `asked`: (K, seconds) of the first round's Propose that drafted nothing (`_round`): the stretch
         then ends where a lookup could match (`spec.stop_ngram`)."""
         asked_k, draft_s = asked
         stop_ngram = spec.stop_ngram if asked_k else 0
-        budgets = [min(steps, self._room(spec, s)) for s in running]
         requests = [
             VerifyRequest(
                 spec.sample_cache_key(s.index),
                 list(s.context),
                 [],
                 sequence=s.index,
-                decode_uniforms=tuple(
-                    rng_for(spec.seed, s.index, round_index + j, _ACCEPT_STREAM).random() for j in range(n)
-                ),
+                decode_uniforms=self._uniforms(spec, s.index, round_index, min(steps, room), lookup_k + 1),
                 stop_token_ids=spec.eos_token_ids,
                 stop_ngram=stop_ngram,
+                lookup_k=lookup_k,
+                max_tokens=room if lookup_k else 0,
             )
-            for s, n in zip(running, budgets, strict=True)
+            for s, room in ((s, self._room(spec, s)) for s in running)
         ]
         results, verify_s = self._call_verifier(verifier, requests, spec.sampling, stats, deadline)
-        decoded = [self._decoded(spec, r, q) for r, q in zip(results, requests, strict=True)]
-        played = max(len(tokens) for tokens in decoded)
+        rounds = [self._decoded(spec, r, q) for r, q in zip(results, requests, strict=True)]
+        played = max(len(r) for r in rounds)
         stats.rounds += played
         new_tokens = {}
-        for sample, tokens in zip(running, decoded, strict=True):
-            for token in tokens:
-                stats.count(0, RoundResult([], None, token))
+        for sample, its_rounds in zip(running, rounds, strict=True):
+            for drafted, result in its_rounds:
+                stats.count(drafted, result)
+            tokens = [t for _, result in its_rounds for t in result.tokens]
             new_tokens[sample.index] = self._append(spec, sample, tokens)
+        event = RoundEvent(round_index + played - 1, new_tokens)
+        if lookup_k:
+            return event, self._lookup_outcomes(spec, lookup_k, rounds, verify_s)
         share = _step_share(requests, results)
         outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
         first = replace(outcome, k=asked_k, draft_s=draft_s)  # (the policy counts an empty ask's cost)
-        return RoundEvent(round_index + played - 1, new_tokens), [first] + [outcome] * (played - 1)
+        return event, [first] + [outcome] * (played - 1)
+
+    @staticmethod
+    def _uniforms(spec: GenerationSpec, sample: int, round_index: int, rounds: int, block: int) -> tuple[float, ...]:
+        """The first `block` uniforms of each round's accept stream: what this engine's own rounds
+        round_index.. would read first (one per examined draft, then the final draw)."""
+        streams = (rng_for(spec.seed, sample, round_index + j, _ACCEPT_STREAM) for j in range(rounds))
+        return tuple(u for rng in streams for u in rng.random(block).tolist())
+
+    @staticmethod
+    def _lookup_outcomes(
+        spec: GenerationSpec, k: int, rounds: list[list[tuple[int, RoundResult]]], verify_s: float
+    ) -> list[RoundOutcome]:
+        """One outcome per round of a call the target drafted by lookup: its rows are 1 + its longest
+        draft, and its seconds the call's shared by the forward-cost curve at those rows (rows alone
+        without one). Priced as alone: the call's steps ran in company the policy cannot apportion."""
+        played = max(len(r) for r in rounds)
+        per_round = [
+            [(its[j][0], len(its[j][1].accepted_tokens)) for its in rounds if j < len(its)] for j in range(played)
+        ]
+        rows = [1 + max(d for d, _ in pairs) for pairs in per_round]
+        weights = [curve_at(spec.verify_costs, r) if spec.verify_costs else float(r) for r in rows]
+        total = sum(weights)
+        return [
+            RoundOutcome(k, 0.0, verify_s * w / total, r, pairs) for pairs, r, w in zip(per_round, rows, weights)
+        ]
 
     @staticmethod
     def _room(spec: GenerationSpec, sample: Sample) -> int:
@@ -481,22 +542,25 @@ class SpeculativeEngine:
         return max(1, room)
 
     @staticmethod
-    def _decoded(spec: GenerationSpec, result: VerifyResult, request: VerifyRequest) -> list[int]:
-        """A decode-steps result's tokens; ServiceError unless it took every step or ended on a stop
-        token or a lookup match (`VerifyRequest.stop_ngram`). A replica that runs no decode steps (an
-        older one, mid-rollout) answers with the first step's law: its token is drawn here at the
-        first uniform, as the target would have."""
+    def _decoded(spec: GenerationSpec, result: VerifyResult, request: VerifyRequest) -> list[tuple[int, RoundResult]]:
+        """A call's rounds as (tokens drafted, what the round emitted); ServiceError unless they are
+        rounds the request asked for (`_lookup_rounds`) or its decode steps, every step taken or ended
+        on a stop token or a lookup match (`VerifyRequest.stop_ngram`). A replica that runs no decode
+        steps (an older one, mid-rollout) answers with the first step's law: its token is drawn here
+        at the first uniform, as the target would have."""
+        if request.lookup_k:
+            return _lookup_rounds(spec, result, request)
         tokens, steps = list(result.decoded_token_ids), len(request.decode_uniforms)
         if not tokens and result.target_probs.shape[0] == 1:
             check_laws("target", result.target_probs)
-            return [draw(result.target_probs[0], request.decode_uniforms[0])]
-        if not 1 <= len(tokens) <= steps or (
+            tokens = [draw(result.target_probs[0], request.decode_uniforms[0])]
+        elif not 1 <= len(tokens) <= steps or (
             len(tokens) < steps
             and tokens[-1] not in spec.eos_token_ids
             and not lookup_matches(request.prefix_token_ids + tokens, request.stop_ngram)
         ):
             raise ServiceError(f"target returned {len(tokens)} decoded tokens for {steps} decode steps")
-        return tokens
+        return [(0, RoundResult([], None, token)) for token in tokens]
 
     @staticmethod
     def _call_verifier(

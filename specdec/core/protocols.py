@@ -94,6 +94,15 @@ class VerifyRequest:
     stop_token_ids: frozenset[int] = frozenset()
     # ... and after a step where the sequence's last stop_ngram tokens occur earlier in it (0: off)
     stop_ngram: int = 0
+    # > 0: the uniforms are rounds drafted by the target's own lookup, lookup_k + 1 a round (one per
+    # examined draft, then the final draw); at most max_tokens tokens in all (0: no such bound)
+    lookup_k: int = 0
+    max_tokens: int = 0
+
+    @property
+    def rounds(self) -> int:
+        """Rounds its decode uniforms play (0: a Verify of its drafts)."""
+        return len(self.decode_uniforms) // (self.lookup_k + 1)
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,8 @@ class VerifyResult:
     step_sequences: int = 1  # sequences in the batched forward it ran in, itself included
     step_rows: int = 0  # new rows of all those sequences (0: not reported)
     decoded_token_ids: tuple[int, ...] = ()  # with decode_uniforms: the tokens sampled (target_probs empty)
+    # with lookup_k: per round played, (tokens its lookup drafted, of which accepted)
+    round_drafts: tuple[tuple[int, int], ...] = ()
 
 
 class Drafter(Protocol):

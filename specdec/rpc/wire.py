@@ -196,6 +196,8 @@ def verify_request(requests: list[VerifyRequest], sampling: Sampling) -> target_
                 decode_uniforms=r.decode_uniforms,
                 stop_token_ids=sorted(r.stop_token_ids) if r.decode_uniforms else (),
                 stop_ngram=r.stop_ngram if r.decode_uniforms else 0,
+                lookup_k=r.lookup_k if r.decode_uniforms else 0,
+                max_tokens=r.max_tokens if r.decode_uniforms else 0,
             )
             for r in requests
         ],
@@ -213,6 +215,8 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
                 step_sequences=r.step_sequences,
                 step_rows=r.step_rows,
                 decoded_token_ids=r.decoded_token_ids,
+                round_drafted=[d for d, _ in r.round_drafts],
+                round_accepted=[a for _, a in r.round_drafts],
             )
             for r in results
         ]
@@ -237,7 +241,10 @@ def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[Verif
         if v.decoded_token_ids:  # decode steps: tokens, no laws
             decoded = tuple(v.decoded_token_ids)
             step = (max(1, v.step_sequences), max(0, v.step_rows))
-            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded_token_ids=decoded))
+            if len(v.round_drafted) != len(v.round_accepted):
+                raise ValueError(f"{len(v.round_drafted)} round_drafted for {len(v.round_accepted)} round_accepted")
+            rounds = tuple(zip(v.round_drafted, v.round_accepted, strict=True))
+            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded, rounds))
             continue
         laws = decode_probs(v.target_probs)
         if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:

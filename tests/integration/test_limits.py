@@ -15,7 +15,15 @@ from service_stack import start_stack, stop_stack
 from specdec.client import build_request
 from specdec.core.ngram import lookup_matches
 from specdec.rpc.wire import decode_probs, encode_probs
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    draft_pb2,
+    draft_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -148,22 +156,69 @@ def test_the_target_runs_decode_steps_and_refuses_those_it_cannot_run_storing_no
             stopped.append(len(tokens) < len(uniforms))
         assert any(stopped)  # (1-grams recur within a few tokens of the tiny model's vocabulary)
         cases = [
-            (dict(draft_token_ids=[3]), "K = 0"),
-            (dict(hidden_states_from=0), "K = 0"),
-            (dict(decode_uniforms=[0.5] * 65), "limit is 64"),
+            (dict(draft_token_ids=[3]), "without draft tokens"),
+            (dict(hidden_states_from=0), "hidden states"),
+            (dict(decode_uniforms=[0.5] * 65), "at most 64 rounds"),
             (dict(decode_uniforms=[0.2, 1.0]), "[0, 1)"),
             (dict(decode_uniforms=[-0.1]), "[0, 1)"),
             (dict(decode_uniforms=[float("nan")]), "[0, 1)"),
             (dict(decode_uniforms=[0.5], stop_token_ids=[8]), "stop_token_ids"),
             (dict(decode_uniforms=[0.5] * 64), "positions"),  # 2 + 63 > the tiny model's 64
             (dict(stop_ngram=65), "stop_ngram must be in [0, 64]"),
-            (dict(decode_uniforms=[], stop_ngram=2), "stop_ngram goes with decode_uniforms"),
+            (dict(decode_uniforms=[], stop_ngram=2), "go with decode_uniforms"),
+            (dict(decode_uniforms=[], max_tokens=2), "go with decode_uniforms"),
+            (dict(decode_uniforms=[0.5] * 4, lookup_k=3), "SPECDEC_TARGET_LOOKUP"),  # (this target has none)
         ]
         for fields, named in cases:
             with pytest.raises(grpc.RpcError) as err:
                 target.Verify(_verify(cache_key="steps-bad", **({"decode_uniforms": [0.5]} | fields)), timeout=30)
             assert err.value.code() == INVALID and named in err.value.details(), (fields, err.value.details())
         assert cache.token_ids("steps-bad") is None
+
+
+def test_a_target_with_a_lookup_plays_drafted_rounds_and_refuses_those_it_cannot_run(tiny_loaded):
+    """SPECDEC_TARGET_LOOKUP=ngram: Info names it; a call of rounds at lookup_k drafts from the
+    sequence itself (5 6 recurs: 7 5 6 ... proposed), its counts add up to its tokens, within
+    max_tokens; bad rounds are INVALID_ARGUMENT and store nothing."""
+    from specdec.settings import load_settings
+    from target_service.server import create_server
+    from target_service.settings import TargetSettings
+
+    settings = load_settings(TargetSettings, [], {}, host="127.0.0.1", port=0, metrics_port=-1, lookup="ngram")
+    server, port = create_server(settings, tiny_loaded["target"])
+    cache = tiny_loaded["target"].runner.cache
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            target = target_pb2_grpc.TargetServiceStub(channel)
+            assert target.Info(common_pb2.InfoRequest(), timeout=30).lookup == "ngram"
+            assert tiny_loaded["target"].info.lookup == ""  # (its own copy: the shared model's is unchanged)
+            uniforms = [0.1, 0.9, 0.3, 0.7, 0.5, 0.2, 0.8, 0.4, 0.6, 0.05, 0.95, 0.35, 0.15, 0.45, 0.75, 0.25]
+            for max_tokens in (0, 5):
+                sequence = target_pb2.VerifySequence(
+                    cache_key=f"lookup-{max_tokens}", prefix_token_ids=[5, 6, 7, 5, 6], decode_uniforms=uniforms,
+                    lookup_k=3, max_tokens=max_tokens,
+                )
+                (done,) = target.Verify(target_pb2.VerifyRequest(sequences=[sequence]), timeout=30).verifications
+                rounds = list(zip(done.round_drafted, done.round_accepted))
+                assert 1 <= len(rounds) <= 4 and rounds[0][0] == 3 and all(0 <= a <= d <= 3 for d, a in rounds)
+                assert sum(a + 1 for _, a in rounds) == len(done.decoded_token_ids) <= (max_tokens or 16)
+                assert not done.HasField("target_probs")
+            cases = [
+                (dict(decode_uniforms=[0.5] * 6, lookup_k=3), "lookup_k + 1 = 4 a round"),
+                (dict(decode_uniforms=[0.5] * 34, lookup_k=33), "lookup_k must be in [0, 32]"),
+                (dict(decode_uniforms=[0.5] * 65 * 2, lookup_k=1), "at most 64 rounds"),
+                (dict(decode_uniforms=[0.5] * 64, lookup_k=1), "positions"),  # 2 + 64 tokens > 64
+                (dict(decode_uniforms=[0.5] * 64, lookup_k=1, max_tokens=70), "positions"),
+            ]
+            for fields, named in cases:
+                with pytest.raises(grpc.RpcError) as err:
+                    target.Verify(_verify(cache_key="lookup-bad", **fields), timeout=30)
+                assert err.value.code() == INVALID and named in err.value.details(), (fields, err.value.details())
+            assert cache.token_ids("lookup-bad") is None
+            small = _verify(cache_key="lookup-small", decode_uniforms=[0.5] * 64, lookup_k=1, max_tokens=8)
+            assert len(target.Verify(small, timeout=30).verifications[0].decoded_token_ids) <= 8
+    finally:
+        server.server.stop(0).wait(10)
 
 
 # ---------------------------------------------------------------- work whose caller has gone

@@ -246,9 +246,16 @@ def test_coordinators_own_suffix_draft_samples_follow_the_target_law(
     import target_service.verifier as verifier_module
 
     stub, stack = local_suffix_stack
-    checks = []  # (n, matched) of each decode step's lookup check in the target
-    real = verifier_module.lookup_matches
-    monkeypatch.setattr(verifier_module, "lookup_matches", lambda t, n: checks.append((n, real(t, n))) or checks[-1][1])
+    stretches = []  # (steps asked, steps run) of each stretch that ends at a lookup match, in the target
+    real = verifier_module._rounds_task
+
+    def counting(request, lookup):
+        result = yield from real(request, lookup)
+        if request.stop_ngram == 2:
+            stretches.append((request.rounds, len(result.decoded_token_ids)))
+        return result
+
+    monkeypatch.setattr(verifier_module, "_rounds_task", counting)
     _warm(stub, seed=600)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.servers[0].metrics_port}/metrics", timeout=5).read()
     cached = [line for line in metrics.decode().splitlines() if line.startswith("specdec_suffix_cache_tokens")]
@@ -256,6 +263,55 @@ def test_coordinators_own_suffix_draft_samples_follow_the_target_law(
     assert float(cached[0].split()[-1]) > len(PROMPT) * WARM_SESSIONS  # other sessions' outputs are there
     model = tiny_loaded["target"].runner.model
     fit = assert_draft_follows_law(stub, model, "local suffix K4-T1", PROMPT, LENGTH, 4, seed=83)
-    stretched, ended = sum(n == 2 for n, _ in checks), sum(matched for _, matched in checks)
-    record_property("summary", f"{fit.summary}; {stretched} decode steps after empty proposals, {ended} ended a stretch")
-    assert stretched > 1000 and ended > 100, (stretched, ended)
+    stretched, ended = sum(run for _, run in stretches), sum(run < asked for asked, run in stretches)
+    record_property("summary", f"{fit.summary}; {stretched} decode steps after empty proposals, {ended} ended early")
+    # (3-token samples leave stretches of 1-2 steps: few can end before their last; the engine's
+    # equality tests cover early ends token for token.)
+    assert stretched > 1000 and ended >= 5, (stretched, ended)
+
+
+@pytest.fixture(scope="module")
+def target_suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
+    """The target drafting every round itself with its own suffix draft (SPECDEC_TARGET_LOOKUP): the
+    coordinator's draft_address names a port where nothing listens, so no round is the pool's."""
+    from service_stack import start_stack, stop_stack
+
+    stack = start_stack(
+        tiny_loaded, tiny_model_dirs["target"], redis_url, target_overrides={"lookup": "suffix"},
+        draft_address="127.0.0.1:1",
+    )
+    channel, stub = _stub(stack)
+    yield stub, stack
+    channel.close()
+    stop_stack(stack)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_with_the_targets_own_suffix_draft_equals_the_target_alone(target_suffix_stack, k):
+    stub, _ = target_suffix_stack
+    alone, speculated = _greedy(stub, 0), _greedy(stub, k)
+    assert list(speculated.completions[0].token_ids) == list(alone.completions[0].token_ids)
+    assert speculated.stats.drafted_tokens > 0 and speculated.stats.accepted_tokens > 0
+
+
+def test_targets_own_suffix_draft_samples_follow_the_target_law(
+    target_suffix_stack, tiny_loaded, record_property, monkeypatch
+):
+    """Rounds drafted and played in the target (VerifySequence.lookup_k), several a call: each at its
+    block of the coordinator's uniforms, the target's cache rolled back after each rejection."""
+    import target_service.verifier as verifier_module
+
+    stub, stack = target_suffix_stack
+    drafted = []  # the length of each of the target's own proposals
+    real = verifier_module._lookup
+    monkeypatch.setattr(verifier_module, "_lookup", lambda *a: drafted.append(len(p := real(*a))) or p)
+    _warm(stub, seed=700)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.servers[2].metrics_port}/metrics", timeout=5).read()
+    cached = [line for line in metrics.decode().splitlines() if line.startswith("specdec_suffix_cache_tokens")]
+    assert cached and cached[0].startswith('specdec_suffix_cache_tokens{service="target"}')
+    model = tiny_loaded["target"].runner.model
+    fit = assert_draft_follows_law(stub, model, "target suffix K4-T1", PROMPT, LENGTH, 4, seed=89)
+    proposed = sum(1 for n in drafted if n)
+    mix = f"; the target's suffix draft proposed in {proposed} of {len(drafted)} rounds"
+    record_property("summary", fit.summary + mix)
+    assert proposed > 1000, (proposed, len(drafted))

@@ -29,4 +29,4 @@ def test_models_load_on_a_thread_that_holds_no_openmp_team(monkeypatch):
         loader.join()
     finally:
         torch.set_num_threads(before)  # the count a new thread's first torch call takes, as it was
-    assert seen == [1, ("loaded", None, "tokenizer")]
+    assert seen == [1, ("loaded", None, None, "tokenizer")]

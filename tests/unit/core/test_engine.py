@@ -751,3 +751,112 @@ def test_auto_k_knows_when_an_empty_ask_is_played_as_decode_steps(monkeypatch, s
     _run(PointMassDrafter(lambda r: []), FakeVerifier(_uniform_target), auto_k=True, max_new_tokens=2,
          decode_steps=decode_steps, stop_ngram=stop_ngram)
     assert made[0].stretches is stretches
+
+
+# ------------------------------------------------------------------ rounds the target drafts by its own lookup
+
+
+class LookupCountingVerifier(CountingVerifier):
+    """As CountingVerifier, recording each call's rounds per sequence."""
+
+    def verify(self, requests, sampling, deadline):
+        self.calls.append([r.rounds for r in requests])
+        return self.verifier.verify(requests, sampling, deadline)
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(1.0), Sampling(0.8, top_k=3, top_p=0.9), Sampling(0.0)], ids=["T1", "topk-topp", "greedy"]
+)
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_rounds_the_target_drafts_itself_give_the_tokens_of_the_engines_own_rounds(
+    tiny_loaded, sampling, num_samples
+):
+    """The target drafts each round by the same n-gram lookup and plays it at the first K + 1
+    uniforms of that round's stream, as this engine plays a round of point masses: the same tokens,
+    rounds and counts (EOS and stop strings cutting where they cut), in fewer calls."""
+    runner = tiny_loaded["target"].runner
+    plain, own = LocalVerifier(runner), LookupCountingVerifier(LocalVerifier(runner, _ngram_drafter()))
+    ended, calls, rounds, drafted = set(), 0, 0, 0
+    for seed in range(6):
+        spec = dict(
+            context_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], seed=seed, sampling=sampling, num_samples=num_samples,
+            num_speculative_tokens=3, max_new_tokens=23,
+        )
+        stops = dict(eos_token_ids=frozenset({3}), stop=("ca",)) if seed % 2 else {}
+        one, one_stats, _ = _run(_ngram_drafter(), plain, **spec, **stops)
+        own.calls.clear()
+        there, stats, events = _run(None, own, **spec, **stops, decode_steps=4, target_lookup=True)
+        assert [s.generated for s in there] == [s.generated for s in one]
+        assert [s.finish_reason for s in there] == [s.finish_reason for s in one]
+        for field in ("rounds", "drafted_tokens", "accepted_tokens", "recovered_tokens", "bonus_tokens"):
+            assert getattr(stats, field) == getattr(one_stats, field), field
+        assert own.calls[0] == [1] * num_samples  # the prompt's round: its tokens go out at once
+        calls, rounds, drafted = calls + len(own.calls), rounds + one_stats.rounds, drafted + stats.drafted_tokens
+        ended |= {s.finish_reason for s in one}
+    assert drafted and calls < rounds / 2
+    if not sampling.greedy:
+        assert ended > {FINISH_LENGTH}, ended  # EOS or a stop string came inside some call
+
+
+def test_a_target_without_a_lookup_refuses_lookup_rounds(tiny_loaded):
+    from specdec.core.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="SPECDEC_TARGET_LOOKUP"):
+        _run(None, LocalVerifier(tiny_loaded["target"].runner), decode_steps=4, target_lookup=True)
+
+
+def _lookup_target(rounds, tokens):
+    """A target that answers lookup calls with `rounds` and `tokens`, the prompt's (one round) with a
+    decode step of token 1."""
+
+    class Rounds(FakeVerifier):
+        def verify(self, requests, sampling, deadline):
+            no_laws = np.empty((0, 0), np.float32)
+            return [
+                VerifyResult(no_laws, decoded_token_ids=(1,), round_drafts=((0, 0),))
+                if r.rounds == 1
+                else VerifyResult(no_laws, decoded_token_ids=tokens, round_drafts=rounds)
+                for r in requests
+            ]
+
+    return Rounds(None)
+
+
+@pytest.mark.parametrize(
+    "rounds, tokens, ok",
+    [
+        (((2, 2), (0, 0)), (4, 4, 4, 5), True),  # all accepted + bonus, then a decode step
+        (((3, 1),), (4, 5), False),  # a round stopped short without a stop token
+        (((3, 1), (0, 0)), (4, 6), False),  # 2 + 1 tokens, not 2
+        (((4, 1),), (4, 5), False),  # more drafts than K
+        (((2, 3),), (4, 5, 6, 7), False),  # more accepted than drafted
+        (((3, 1),), (4, 3), True),  # a stop token: an early end
+        (((3, 3), (3, 3)), (4,) * 8, False),  # past max_tokens
+    ],
+)
+def test_a_target_whose_lookup_rounds_do_not_add_up_is_a_clear_error(rounds, tokens, ok):
+    run = lambda: _run(  # noqa: E731
+        None, _lookup_target(rounds, tokens), num_speculative_tokens=3, max_new_tokens=5, decode_steps=2,
+        target_lookup=True, eos_token_ids=frozenset({3}), sampling=Sampling(0.0),
+    )
+    if not ok:
+        with pytest.raises(ServiceError, match="target (returned rounds|played)"):
+            run()
+        return
+    samples, stats, _ = run()
+    assert samples[0].generated[1 : 1 + len(tokens)] == list(tokens)
+    assert stats.drafted_tokens == sum(d for d, _ in rounds) and stats.accepted_tokens == sum(a for _, a in rounds)
+
+
+def test_the_policy_sees_each_lookup_round_with_its_rows_and_a_share_of_the_call(monkeypatch):
+    seen = []
+    real = FixedK.observe
+    monkeypatch.setattr(FixedK, "observe", lambda self, outcome: seen.append(outcome) or real(self, outcome))
+    rounds, tokens = ((2, 2), (0, 0), (2, 0)), (4, 4, 4, 5, 6)
+    _run(None, _lookup_target(rounds, tokens), num_speculative_tokens=3, max_new_tokens=6, decode_steps=3,
+         target_lookup=True, sampling=Sampling(0.0), verify_costs=(1.0, 1.5, 2.0, 2.5))
+    lookup = seen[1:4]  # (round 0: the prompt's call, one round)
+    assert [(o.k, o.rows, list(o.drafts), o.draft_s, o.decoded) for o in lookup] == [
+        (3, 3, [(2, 2)], 0.0, False), (3, 1, [(0, 0)], 0.0, False), (3, 3, [(2, 0)], 0.0, False)
+    ]
+    assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(2.0)  # the curve at 3 rows against 1

@@ -295,17 +295,16 @@ def test_proposals_with_a_broken_tensor_are_a_value_error():
 
 
 def _verify_requests_from_proto(request: target_pb2.VerifyRequest) -> list[VerifyRequest]:
-    """As the target service reads them."""
+    """As the target service reads them (a target with a lookup draft, vocabulary 100)."""
+    from target_service.server import _rounds_of
+
     return [
         VerifyRequest(
             seq.cache_key,
             list(seq.prefix_token_ids),
             list(seq.draft_token_ids),
             seq.hidden_states_from if seq.HasField("hidden_states_from") else None,
-            0,
-            tuple(seq.decode_uniforms),
-            frozenset(seq.stop_token_ids),
-            seq.stop_ngram,
+            **_rounds_of(seq, 100, 8),
         )
         for seq in request.sequences
     ]
@@ -317,18 +316,32 @@ def test_verify_request_carries_every_field_and_tells_hidden_from_0_from_unset()
         VerifyRequest("", [1], [], hidden_from=None),
         VerifyRequest("c", [1, 2], [7], hidden_from=1),
         VerifyRequest("d", [1, 2], [], decode_uniforms=(0.25, 0.5), stop_token_ids=frozenset({3}), stop_ngram=2),
+        VerifyRequest("e", [1, 2], [], decode_uniforms=(0.25, 0.5, 0.75) * 2, lookup_k=2, max_tokens=5),
     ]
     sampling = Sampling(0.0, top_k=0, top_p=0.5)
     message = _over_the_wire(wire.verify_request(requests, sampling))
 
     assert wire.sampling_from_proto(message.sampling) == sampling
-    assert [s.HasField("hidden_states_from") for s in message.sequences] == [True, False, True, False]
+    assert [s.HasField("hidden_states_from") for s in message.sequences] == [True, False, True, False, False]
     assert _verify_requests_from_proto(message) == [
         VerifyRequest("cache-b", [1, 2, 3], [4, 5], 0),
         VerifyRequest("", [1], [], None),
         VerifyRequest("c", [1, 2], [7], 1),
         VerifyRequest("d", [1, 2], [], None, 0, (0.25, 0.5), frozenset({3}), 2),
+        VerifyRequest("e", [1, 2], [], None, 0, (0.25, 0.5, 0.75) * 2, frozenset(), 0, 2, 5),
     ]
+    assert _verify_requests_from_proto(message)[-1].rounds == 2
+
+
+def test_lookup_rounds_come_back_with_their_counts_and_a_mismatch_is_refused():
+    no_laws = np.empty((0, 0), np.float32)
+    results = [VerifyResult(no_laws, 3, decoded_token_ids=(4, 5, 6), round_drafts=((2, 1), (0, 0)))]
+    message = _over_the_wire(wire.verify_response(results))
+    (back,) = wire.verify_results_from_proto(message)
+    assert back.decoded_token_ids == (4, 5, 6) and back.round_drafts == ((2, 1), (0, 0))
+    del message.verifications[0].round_accepted[1]
+    with pytest.raises(ValueError, match="round_drafted"):
+        wire.verify_results_from_proto(message)
 
 
 def test_verify_results_round_trip_with_and_without_hidden_states():

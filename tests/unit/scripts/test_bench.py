@@ -195,6 +195,7 @@ def test_drafter_names_map_to_draft_models_and_lookups():
     assert bench.parse_drafter("suffix", "drafts/x") == bench.Drafter("suffix", "suffix")
     assert bench.parse_drafter("hybrid", "drafts/x") == bench.Drafter("hybrid", "drafts/x", "suffix")
     assert bench.parse_drafter("tokens=drafts/y", "drafts/x") == bench.Drafter("tokens", "drafts/y")
+    assert bench.parse_drafter("target-suffix", "drafts/x") == bench.Drafter("target-suffix", "ngram", "", "suffix")
     with pytest.raises(ValueError, match="unknown drafter 'ngarm'"):
         bench.parse_drafter("ngarm", "drafts/x")
     with pytest.raises(ValueError, match="LABEL=SPEC"):
