@@ -336,19 +336,24 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def pair_env(target: str, drafter: Drafter) -> dict[str, str]:
+    """The services' environment that serves `target` with `drafter`."""
+    return {
+        "SPECDEC_TARGET_MODEL": target,
+        "SPECDEC_DRAFT_MODEL": drafter.model,
+        "SPECDEC_DRAFT_LOOKUP": drafter.lookup,
+        "SPECDEC_TARGET_LOOKUP": drafter.target_lookup,
+        "SPECDEC_DRAFT_TOKENIZER": target,  # a model-free draft's vocabulary
+    }
+
+
 @contextmanager
 def _grpc_client(drafter: Drafter, args):
     from specdec.client import SpecdecClient
 
     address = args.address
     if address is None:
-        env = {
-            "SPECDEC_TARGET_MODEL": args.target,
-            "SPECDEC_DRAFT_MODEL": drafter.model,
-            "SPECDEC_DRAFT_LOOKUP": drafter.lookup,
-            "SPECDEC_TARGET_LOOKUP": drafter.target_lookup,
-            "SPECDEC_DRAFT_TOKENIZER": args.target,  # a model-free draft's vocabulary
-        }
+        env = pair_env(args.target, drafter)
         drafts = f"{drafter.model} {drafter.lookup}"
         log(f"starting the stack: target {args.target} {drafter.target_lookup}, draft {drafts}")
         with _environment(env), redirect_stdout(sys.stderr):  # stdout carries only results (--json)

@@ -663,12 +663,7 @@ def bench_stack(client, plan: Plan) -> list[dict]:
 def stack_env(args, drafter: bench.Drafter, peak_streams: int) -> dict[str, str]:
     """The services' environment: the pair (as bench.py sets it), metrics on free ports, admission
     raised to `peak_streams` where the environment does not set it."""
-    env = {
-        "SPECDEC_TARGET_MODEL": args.target,
-        "SPECDEC_DRAFT_MODEL": drafter.model,
-        "SPECDEC_DRAFT_LOOKUP": drafter.lookup,
-        "SPECDEC_DRAFT_TOKENIZER": args.target,  # a model-free draft's vocabulary
-    }
+    env = bench.pair_env(args.target, drafter)
     for settings in _service_settings():
         prefix, defaults = settings.ENV_PREFIX, {f.name: f.default for f in dataclasses.fields(settings)}
         env[prefix + "METRICS_PORT"] = "0"  # no clash with a `make up` stack's 9101..9103
@@ -732,7 +727,8 @@ def open_client(args, drafter: bench.Drafter, peak_streams: int):
 
 @contextmanager
 def _started(args, drafter: bench.Drafter, peak_streams: int) -> Iterator[str]:
-    bench.log(f"starting the stack: target {args.target}, draft {drafter.model} {drafter.lookup}")
+    drafts = f"{drafter.model} {drafter.lookup}"
+    bench.log(f"starting the stack: target {args.target} {drafter.target_lookup}, draft {drafts}")
     with private_stack(stack_env(args, drafter, peak_streams)) as address:
         yield address
 
@@ -849,7 +845,7 @@ def run_info(args, plan: Plan, drafter: bench.Drafter) -> dict:
         "target": args.target,
         # What a stack started here serves the target with (one given by --address: its own setting).
         "matmul_dtype": None if args.address else os.environ.get(stack.MATMUL_DTYPE_ENV, stack.DEFAULT_MATMUL_DTYPE),
-        "drafter": {"label": drafter.label, "model": drafter.model, "lookup": drafter.lookup},
+        "drafter": {"label": drafter.label} | {f: getattr(drafter, f) for f in ("model", "lookup", "target_lookup")},
         "address": args.address,
         "openai_url": args.openai_url,
         "model": args.model,
