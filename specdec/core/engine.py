@@ -306,7 +306,8 @@ class SpeculativeEngine:
             if not any(s.running for s in samples):  # before the last yield: a caller need not ask past it
                 if spec.draft_costs:  # (a model draft's curve: what the record is for)
                     record.add(outcomes)
-                self.decode_record.add(outcomes)  # (reads only requests that played both kinds of round)
+                if not spec.target_lookup:  # (its rounds of one row are shares of a call, not Verifies of their own)
+                    self.decode_record.add(outcomes)  # (reads only requests that played both kinds of round)
             yield event
             round_index = event.round_index + 1
 
