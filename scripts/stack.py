@@ -52,6 +52,11 @@ DEFAULT_TARGET = DEFAULT_MODEL
 # Model-free, so it serves any target that shares its tokenizer; in `make bench` on this CPU it beat
 # the distilled model drafts (drafts/, docs/drafts.md) and ngram on every workload with auto K.
 DEFAULT_DRAFT = SUFFIX_MODEL
+# The target drafts every round itself with the same lookup (SPECDEC_TARGET_LOOKUP), several rounds a
+# Verify, and the draft pool goes unasked: served on this CPU, one stream, auto K gave 1.33-1.38x of
+# K = 0 against 1.21x with the suffix draft in the coordinator (two alternated pairs; README
+# "Configuration"). Empty it to draft through the pool.
+DEFAULT_TARGET_LOOKUP = SUFFIX_MODEL
 # The target's products: int8 where the CPU and weights allow (the packaged target on an AVX-512 EPYC:
 # in process 1.6x the tokens/s of float32 at K = 0, served 8 streams 1.4x; README "Speed, honestly").
 MATMUL_DTYPE_ENV = "SPECDEC_TARGET_MATMUL_DTYPE"
@@ -126,6 +131,7 @@ def up() -> dict:
         print(f"  {'redis':<12} {redis_url}")
         target_model = env.setdefault("SPECDEC_TARGET_MODEL", DEFAULT_TARGET)
         env.setdefault(MATMUL_DTYPE_ENV, DEFAULT_MATMUL_DTYPE)
+        env.setdefault("SPECDEC_TARGET_LOOKUP", DEFAULT_TARGET_LOOKUP)
         if env.setdefault("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT) in MODEL_FREE:
             env.setdefault("SPECDEC_DRAFT_TOKENIZER", target_model)  # its Info: the target's vocabulary
         env.setdefault("SPECDEC_COORDINATOR_TOKENIZER", target_model)

@@ -74,21 +74,24 @@ def inflight_metric() -> str:
     return MetricsInterceptor(Registry(), "probe").inflight.name
 
 
-def make_run_draft() -> str:
-    """The draft `make run` serves: scripts/stack.py's DEFAULT_DRAFT, read from the script itself."""
+def make_run_draft() -> tuple[str, str]:
+    """The drafts `make run` serves: scripts/stack.py's DEFAULT_DRAFT (the pool's) and
+    DEFAULT_TARGET_LOOKUP (the target's own), read from the script itself."""
     spec = importlib.util.spec_from_file_location("specdec_stack_script", ROOT / "scripts" / "stack.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.DEFAULT_DRAFT
+    return module.DEFAULT_DRAFT, module.DEFAULT_TARGET_LOOKUP
 
 
-def check_draft_is_make_runs(draft, target_model: str, coordinator, where: str) -> None:
-    """The draft `make run` serves with the same target: DEFAULT_DRAFT; a model-free draft reads the
-    target's tokenizer (stack.py sets SPECDEC_DRAFT_TOKENIZER to the target); no lookup; auto K."""
-    expected = make_run_draft()
+def check_draft_is_make_runs(draft, target, coordinator, where: str) -> None:
+    """The drafts `make run` serves with the same target: DEFAULT_DRAFT, and the target's own
+    DEFAULT_TARGET_LOOKUP; a model-free draft reads the target's tokenizer (stack.py sets
+    SPECDEC_DRAFT_TOKENIZER to the target); no hybrid lookup; auto K."""
+    expected, target_lookup = make_run_draft()
     assert draft.model == expected, f"{where}: draft {draft.model!r} != make run's {expected!r}"
+    assert target.lookup == target_lookup, f"{where}: target lookup {target.lookup!r} != make run's {target_lookup!r}"
     if draft.model in MODEL_FREE:
-        assert draft.tokenizer == target_model, f"{where}: the {draft.model} draft reads {draft.tokenizer!r}"
+        assert draft.tokenizer == target.model, f"{where}: the {draft.model} draft reads {draft.tokenizer!r}"
     assert draft.lookup == "", f"{where}: make run's draft has no lookup"
     assert coordinator.default_k() is None, f"{where}: make run chooses K per round (auto), DEFAULT_K does not"
 
@@ -603,7 +606,7 @@ def test_k8s_cpu_overlay_threads_fit_the_cpu_limit():
 def test_k8s_draft_is_make_runs(k8s):
     draft = k8s.launch_of("draft_service")[2].settings()
     target = k8s.launch_of("target_service")[2].settings()
-    check_draft_is_make_runs(draft, target.model, k8s.launch_of("coordinator")[2].settings(), k8s.overlay)
+    check_draft_is_make_runs(draft, target, k8s.launch_of("coordinator")[2].settings(), k8s.overlay)
 
 
 # ------------------------------------------------------------------ the distilled drafts
@@ -646,7 +649,8 @@ DRAFT_COMPONENTS = {"distilled-draft": ("",), "hybrid-draft": tuple(m for m in M
 @pytest.mark.parametrize("component", sorted(DRAFT_COMPONENTS))
 def test_k8s_draft_components_switch_the_draft_only(component, tmp_path):
     """components/distilled-draft and hybrid-draft: the shipped model draft (with a lookup for the
-    hybrid), accepted by DraftSettings; every other service runs as without them."""
+    hybrid), accepted by DraftSettings, drafting through the pool (the target's own lookup off);
+    every other service runs as without them."""
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     shutil.copytree(ROOT / "k8s", overlay / "k8s")
@@ -663,8 +667,12 @@ def test_k8s_draft_components_switch_the_draft_only(component, tmp_path):
     }
     assert scales_at["draft_service"] == scales_at["target_service"], f"components/{component}: HPAs {scales_at}"
     plain = Rendered("cpu")
+    target, plain_target = switched.launch_of("target_service")[2], plain.launch_of("target_service")[2]
+    assert plain_target.settings().lookup and not target.settings().lookup
+    lookup_aside = {"SPECDEC_TARGET_LOOKUP": ""}
+    assert target.env | lookup_aside == plain_target.env | lookup_aside, f"{component} changes the target"
     for module in SETTINGS:
-        if module != "draft_service":
+        if module not in ("draft_service", "target_service"):
             assert switched.launch_of(module)[2].env == plain.launch_of(module)[2].env, f"{component} changes {module}"
 
 
@@ -714,7 +722,7 @@ def test_compose_draft_is_make_runs(compose):
         coordinator = launch.settings()
         (draft,) = [launches[h].settings() for h, _ in parse_address(coordinator.draft_address)]
         (target,) = [launches[h].settings() for h, _ in parse_address(coordinator.target_address)]
-        check_draft_is_make_runs(draft, target.model, coordinator, f"compose {name}")
+        check_draft_is_make_runs(draft, target, coordinator, f"compose {name}")
 
 
 def test_compose_switches_to_a_shipped_draft_with_one_variable():
@@ -894,3 +902,11 @@ def test_compose_lets_the_coordinator_draft_itself_with_one_variable():
         assert launch.settings().local_draft == "suffix", f"{launch.where}: LOCAL_DRAFT is not passed on"
     default = compose_launches(load_compose(COMPOSE_REQUIRED))
     assert all(launch.settings().local_draft == "" for launch in default.values() if launch.module == "coordinator")
+
+
+def test_compose_drafts_in_the_target_by_default_and_through_the_pool_with_target_lookup_empty():
+    for environ, expected in ((COMPOSE_REQUIRED, "suffix"), ({**COMPOSE_REQUIRED, "TARGET_LOOKUP": ""}, "")):
+        launches = compose_launches(load_compose(environ)).values()
+        targets = [launch for launch in launches if launch.module == "target_service"]
+        assert len(targets) == 2  # (cpu and gpu)
+        assert all(launch.settings().lookup == expected for launch in targets), (environ, expected)
