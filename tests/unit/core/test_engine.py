@@ -860,3 +860,15 @@ def test_the_policy_sees_each_lookup_round_with_its_rows_and_a_share_of_the_call
         (3, 3, [(2, 2)], 0.0, False), (3, 1, [(0, 0)], 0.0, False), (3, 3, [(2, 0)], 0.0, False)
     ]
     assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(2.0)  # the curve at 3 rows against 1
+
+
+def test_rounds_the_target_drafted_leave_the_engines_decode_record_alone(tiny_loaded):
+    """Their one-row rounds are shares of a call, not Verifies of their own: what the DecodeRecord
+    compares decode steps against."""
+    engine = SpeculativeEngine(None, LocalVerifier(tiny_loaded["target"].runner, _ngram_drafter()), _decode)
+    spec = GenerationSpec(
+        [1, 2, 3, 1, 2, 3, 1, 2], 60, Sampling(1.0), 5, 4, auto_k=True, decode_steps=4, target_lookup=True
+    )
+    stats = Stats()
+    list(engine.run(spec, new_samples(spec), stats, NO_DEADLINE))
+    assert stats.drafted_tokens and engine.decode_record.ratio is None
