@@ -215,24 +215,35 @@ def test_in_process_suffix_and_hybrid_keep_greedy_output(tiny_model_dirs, lookup
     assert speculated.stats.drafted_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def local_suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
-    """The coordinator drafting with its own suffix draft (LOCAL_DRAFT): its draft_address names a
-    port where nothing listens, so every proposal is the local draft's."""
+def _stack_without_a_draft_pool(tiny_loaded, tiny_model_dirs, redis_url, **overrides):
+    """The stack with the coordinator's draft_address at a port where nothing listens: every proposal
+    is the coordinator's or the target's own."""
     from service_stack import start_stack, stop_stack
 
-    stack = start_stack(
-        tiny_loaded, tiny_model_dirs["target"], redis_url, local_draft="suffix", draft_address="127.0.0.1:1"
-    )
+    stack = start_stack(tiny_loaded, tiny_model_dirs["target"], redis_url, draft_address="127.0.0.1:1", **overrides)
     channel, stub = _stub(stack)
     yield stub, stack
     channel.close()
     stop_stack(stack)
 
 
+@pytest.fixture(scope="module")
+def local_suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
+    """The coordinator drafting with its own suffix draft (LOCAL_DRAFT)."""
+    yield from _stack_without_a_draft_pool(tiny_loaded, tiny_model_dirs, redis_url, local_draft="suffix")
+
+
+@pytest.fixture(scope="module")
+def target_suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
+    """The target drafting every round itself with its own suffix draft (SPECDEC_TARGET_LOOKUP)."""
+    overrides = {"target_overrides": {"lookup": "suffix"}}
+    yield from _stack_without_a_draft_pool(tiny_loaded, tiny_model_dirs, redis_url, **overrides)
+
+
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_output_with_the_coordinators_own_suffix_draft_equals_the_target_alone(local_suffix_stack, k):
-    stub, _ = local_suffix_stack
+@pytest.mark.parametrize("where", ["local_suffix_stack", "target_suffix_stack"])
+def test_greedy_output_with_a_suffix_draft_outside_the_pool_equals_the_target_alone(request, where, k):
+    stub, _ = request.getfixturevalue(where)
     alone, speculated = _greedy(stub, 0), _greedy(stub, k)
     assert list(speculated.completions[0].token_ids) == list(alone.completions[0].token_ids)
     assert speculated.stats.drafted_tokens > 0 and speculated.stats.accepted_tokens > 0
@@ -268,30 +279,6 @@ def test_coordinators_own_suffix_draft_samples_follow_the_target_law(
     # (3-token samples leave stretches of 1-2 steps: few can end before their last; the engine's
     # equality tests cover early ends token for token.)
     assert stretched > 1000 and ended >= 5, (stretched, ended)
-
-
-@pytest.fixture(scope="module")
-def target_suffix_stack(tiny_loaded, tiny_model_dirs, redis_url):
-    """The target drafting every round itself with its own suffix draft (SPECDEC_TARGET_LOOKUP): the
-    coordinator's draft_address names a port where nothing listens, so no round is the pool's."""
-    from service_stack import start_stack, stop_stack
-
-    stack = start_stack(
-        tiny_loaded, tiny_model_dirs["target"], redis_url, target_overrides={"lookup": "suffix"},
-        draft_address="127.0.0.1:1",
-    )
-    channel, stub = _stub(stack)
-    yield stub, stack
-    channel.close()
-    stop_stack(stack)
-
-
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_output_with_the_targets_own_suffix_draft_equals_the_target_alone(target_suffix_stack, k):
-    stub, _ = target_suffix_stack
-    alone, speculated = _greedy(stub, 0), _greedy(stub, k)
-    assert list(speculated.completions[0].token_ids) == list(alone.completions[0].token_ids)
-    assert speculated.stats.drafted_tokens > 0 and speculated.stats.accepted_tokens > 0
 
 
 def test_targets_own_suffix_draft_samples_follow_the_target_law(
