@@ -132,7 +132,17 @@ def verify_scheduled(
     `deadline` has passed (or the caller left) while it waited. `lookup`: the target's own lookup
     draft, for rounds it plays (VerifyRequest.lookup_k)."""
     steps_on = any(r.decode_uniforms for r in requests)  # decode steps do not wait for company
+    _index(lookup, requests)
     return scheduler_for(runner).run(_tasks(requests, lookup), deadline, verify_laws(sampling), steps_on)
+
+
+def _index(lookup: Drafter | None, requests: Sequence[VerifyRequest]) -> None:
+    """Show the lookup each drafting sequence's prefix on the calling thread, asking for nothing: a
+    suffix draft indexes what is new in it there (a new session's prompt: ~40 us a token), not on
+    the model thread, whose every step all streams wait for; the rounds then add a few tokens each."""
+    drafting = [DraftRequest(r.cache_key, r.prefix_token_ids, 0, 0) for r in requests if r.lookup_k]
+    if lookup is not None and drafting:
+        lookup.propose(drafting, _NO_SAMPLING, NO_DEADLINE)
 
 
 class LocalVerifier:

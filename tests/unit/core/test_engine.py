@@ -872,3 +872,25 @@ def test_rounds_the_target_drafted_leave_the_engines_decode_record_alone(tiny_lo
     stats = Stats()
     list(engine.run(spec, new_samples(spec), stats, NO_DEADLINE))
     assert stats.drafted_tokens and engine.decode_record.ratio is None
+
+
+def test_the_target_indexes_a_drafting_prefix_on_the_calling_thread_before_its_rounds(tiny_loaded):
+    """A suffix draft's indexing of a new prompt (~40 us a token) stays off the model thread."""
+    import threading
+
+    from specdec.core.protocols import VerifyRequest
+
+    class Recording:
+        def __init__(self):
+            self.lookup, self.calls = _ngram_drafter(), []
+
+        def propose(self, requests, sampling, deadline):
+            thread = threading.current_thread().name
+            self.calls += [(thread, r.num_draft_tokens, len(r.prefix_token_ids)) for r in requests]
+            return self.lookup.propose(requests, sampling, deadline)
+
+    lookup = Recording()
+    request = VerifyRequest("indexed", [1, 2, 3, 1, 2], [], decode_uniforms=(0.5,) * 8, lookup_k=3)
+    LocalVerifier(tiny_loaded["target"].runner, lookup).verify([request], Sampling(0.0), NO_DEADLINE)
+    assert lookup.calls[0] == (threading.current_thread().name, 0, 5)
+    assert all(name != threading.current_thread().name for name, k, _ in lookup.calls[1:] if k)
