@@ -97,7 +97,7 @@ def _source(args: argparse.Namespace, stack: ExitStack):
 
     hf_logging.disable_progress_bar()  # the completion streams to the same terminal
 
-    return InProcessPipeline(args.target, args.draft or None, args.draft_lookup)
+    return InProcessPipeline(args.target, args.draft or None, args.draft_lookup, args.target_lookup)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -170,6 +170,12 @@ def add_in_process_args(parser: argparse.ArgumentParser) -> None:
         choices=["", "ngram", "suffix"],
         help="--in-process: with a draft model, try this model-free draft first per sequence (hybrid; "
         "default SPECDEC_DRAFT_LOOKUP)",
+    )
+    parser.add_argument(
+        "--target-lookup",
+        choices=["", "ngram", "suffix"],
+        help="--in-process: the target drafts every round itself with this model-free draft, several rounds "
+        "a call (as `make run` serves it; default SPECDEC_TARGET_LOOKUP)",
     )
 
 

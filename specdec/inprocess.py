@@ -36,8 +36,8 @@ def _load(target: str, draft: str | None, lookup: str | None, target_lookup: str
     import os
 
     from draft_service.loading import load_draft
-    from specdec.core.lookup import lookup_drafter
     from draft_service.settings import DraftSettings
+    from specdec.core.lookup import lookup_drafter
     from specdec.models.sources import load_tokenizer
     from specdec.models.threads import set_torch_threads
     from specdec.rpc.model_service import load_model

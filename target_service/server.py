@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.core.errors import InvalidArgument
 from dataclasses import replace
 
+from specdec.core.errors import InvalidArgument
 from specdec.core.lookup import SuffixDrafter, lookup_drafter
 from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM, VerifyRequest
 from specdec.rpc.errors import grpc_errors
@@ -19,8 +19,8 @@ from specdec.rpc.model_service import (
     validate_sequence_count,
     validate_token_ids,
 )
-from specdec.rpc.wire import sampling_from_proto, verify_response
 from specdec.rpc.metrics import observe_suffix_cache
+from specdec.rpc.wire import sampling_from_proto, verify_response
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.settings import TargetSettings
 from target_service.verifier import verify_scheduled

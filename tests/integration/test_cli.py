@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.cli import main
 
 
@@ -42,10 +44,12 @@ def test_compare_runs_the_prompt_with_speculation_then_alone_and_leaves_no_sessi
     assert set(redis_client.scan_iter()) == before
 
 
-def test_compare_in_process_loads_the_pair_here(tiny_model_dirs, capsys):
+@pytest.mark.parametrize("drafts", [["--draft", "DRAFT"], ["--draft", "", "--target-lookup", "suffix"]])
+def test_compare_in_process_loads_the_pair_here(tiny_model_dirs, capsys, drafts):
+    drafts = [tiny_model_dirs["draft"] if d == "DRAFT" else d for d in drafts]
     code = main(
-        ["compare", "a b c a b c a b", "--in-process", "--target", tiny_model_dirs["target"], "--draft",
-         tiny_model_dirs["draft"], "--max-new-tokens", "10", "-k", "2", "--ignore-eos"]
+        ["compare", "a b c a b c a b", "--in-process", "--target", tiny_model_dirs["target"], *drafts,
+         "--max-new-tokens", "10", "-k", "2", "--ignore-eos"]
     )  # fmt: skip
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
