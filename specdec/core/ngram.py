@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def lookup_matches(tokens: Sequence[int], n: int) -> bool:
@@ -31,14 +30,19 @@ def ngram_proposal(prefix: Sequence[int], k: int, min_n: int, max_n: int) -> lis
     if not 1 <= min_n <= max_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
     tokens = np.asarray(prefix, dtype=np.int64)
-    length = len(tokens)
-    if k == 0:
+    top = min(max_n, len(tokens) - 1)
+    if k == 0 or top < min_n:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows starting at j = 0 .. length - n - 1: each is followed by a token of the prefix.
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+    # Where an earlier occurrence of the last n tokens would end: at an earlier copy of the last
+    # token (one pass over the prefix; the longer n are checked at those few places only).
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    for n in range(top, min_n - 1, -1):
+        candidates = ends[ends >= n - 1]
+        agree = np.ones(candidates.size, dtype=bool)
+        for back in range(1, n):
+            agree &= tokens[candidates - back] == tokens[-1 - back]
+        hits = candidates[agree]
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1  # the most recent occurrence: what followed it
             return tokens[start : start + k].tolist()
     return []

@@ -71,3 +71,23 @@ def test_lookup_matches_where_the_last_n_tokens_occurred_before():
     assert not lookup_matches([5, 1, 2], 2)  # (1, 2) only at the end: no earlier occurrence
     assert not lookup_matches([2, 2], 2) and lookup_matches([2, 2, 2], 2)
     assert not lookup_matches([1, 2, 1, 2], 0) and not lookup_matches([], 1)
+
+
+def _windows_proposal(prefix, k, min_n, max_n):
+    """The definition, window by window: the most recent earlier window equal to the last n tokens."""
+    for n in range(min(max_n, len(prefix) - 1), min_n - 1, -1):
+        for j in range(len(prefix) - n - 1, -1, -1):
+            if list(prefix[j : j + n]) == list(prefix[-n:]):
+                return list(prefix[j + n : j + n + k])
+    return []
+
+
+def test_proposals_equal_the_window_by_window_definition_on_random_prefixes():
+    rng = np.random.default_rng(11)
+    for _ in range(3000):
+        length, vocab = int(rng.integers(1, 40)), int(rng.integers(2, 6))
+        prefix = rng.integers(0, vocab, length).tolist()
+        k, min_n = int(rng.integers(0, 5)), int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        expected = _windows_proposal(prefix, k, min_n, max_n) if k else []
+        assert ngram_proposal(prefix, k, min_n, max_n) == expected, (prefix, k, min_n, max_n)
