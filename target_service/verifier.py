@@ -1,5 +1,6 @@
-"""Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K (or, at K = 0,
-several decode steps sampled here from the coordinator's uniforms).
+"""Domain logic of the target: p_1..p_{K+1} from ONE forward over prefix + x_1..x_K (or several
+rounds played here from the coordinator's uniforms: decode steps at K = 0, or rounds drafted by the
+target's own lookup).
 
 `verify_task` is one sequence's work as a scheduler task (`specdec.models.scheduler`);
 `verify_scheduled` runs a call's sequences on the model's scheduler (the target service,
