@@ -91,19 +91,13 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             if hidden_from is not None and not 0 <= hidden_from < len(prefix):
                 raise InvalidArgument(f"hidden_states_from must be in [0, {len(prefix) - 1}], got {hidden_from}")
             request = VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, **self._rounds(seq))
-            validate_length(len(prefix) + max(0, self._most_tokens(request) - 1), runner.max_positions)
+            validate_length(len(prefix) + max(0, request.most_tokens - 1), runner.max_positions)
             parsed.append(request)
         return parsed
 
     def _rounds(self, seq: target_pb2.VerifySequence) -> dict:
         max_lookup_k = self.settings.max_draft_tokens if self.lookup is not None else 0
         return _rounds_of(seq, self.loaded.runner.vocab_size, max_lookup_k)
-
-    @staticmethod
-    def _most_tokens(request: VerifyRequest) -> int:
-        """Tokens its rounds may add: each K + 1, at most max_tokens."""
-        most = request.rounds * (request.lookup_k + 1)
-        return min(most, request.max_tokens) if request.max_tokens else most
 
     @grpc_errors
     def Verify(self, request, context):  # noqa: N802 - gRPC name

@@ -59,7 +59,7 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
     stop token, at max_tokens, or where a lookup of stop_ngram tokens would match (the coordinator
     drafts from there)."""
     tokens, decoded, played, first = list(request.prefix_token_ids), [], [], None
-    block, limit = request.lookup_k + 1, request.max_tokens or len(request.decode_uniforms)
+    block, limit = request.lookup_k + 1, request.most_tokens
     for r in range(request.rounds):
         k = min(request.lookup_k, limit - len(decoded) - 1)
         drafts = _lookup(lookup, request, tokens, k) if k > 0 else []

@@ -230,7 +230,7 @@ def _lookup_rounds(
     it drafted, their tokens add up, and the call took every round it could or ended on a stop token."""
     tokens, rounds = list(result.decoded_token_ids), result.round_drafts
     fits = 1 <= len(rounds) <= request.rounds and all(0 <= a <= d <= request.lookup_k for d, a in rounds)
-    if not fits or sum(a + 1 for _, a in rounds) != len(tokens) or len(tokens) > request.max_tokens:
+    if not fits or sum(a + 1 for _, a in rounds) != len(tokens) or len(tokens) > request.most_tokens:
         raise ServiceError(f"target returned rounds {list(rounds)} ({len(tokens)} tokens) for {request.rounds} rounds")
     played, start = [], 0
     for drafted, accepted in rounds:
@@ -239,7 +239,7 @@ def _lookup_rounds(
         rejected = accepted < drafted
         played.append((drafted, RoundResult(emitted[:-1], last if rejected else None, None if rejected else last)))
         start += accepted + 1
-    short = len(rounds) < request.rounds and len(tokens) < request.max_tokens
+    short = len(rounds) < request.rounds and len(tokens) < request.most_tokens
     if short and spec.eos_token_ids.isdisjoint(played[-1][1].tokens):
         raise ServiceError(f"target played {len(rounds)} of {request.rounds} rounds without a stop token")
     return played

@@ -104,6 +104,12 @@ class VerifyRequest:
         """Rounds its decode uniforms play (0: a Verify of its drafts)."""
         return len(self.decode_uniforms) // (self.lookup_k + 1)
 
+    @property
+    def most_tokens(self) -> int:
+        """Tokens its rounds may add: K + 1 each, at most max_tokens where set."""
+        most = self.rounds * (self.lookup_k + 1)
+        return min(most, self.max_tokens) if self.max_tokens else most
+
 
 @dataclass(frozen=True)
 class VerifyResult:
