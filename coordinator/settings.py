@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.core.lookup import LOOKUPS, LookupSettings
+from specdec.core.lookup import LookupSettings
 from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM
 from specdec.rpc.logs import check_log_format
 from specdec.rpc.server import MIN_KEEPALIVE_S
@@ -179,8 +179,7 @@ class CoordinatorSettings(LookupSettings, ServerTlsSettings):
             raise ValueError("sample_batch_size and max_num_samples must be >= 1")
         if not 0 <= self.verify_batch_wait_ms <= 1000:
             raise ValueError("verify_batch_wait_ms must be in [0, 1000]")
-        if self.local_draft not in LOOKUPS:
-            raise ValueError(f"local_draft must be '' (the draft pool), ngram or suffix, got {self.local_draft!r}")
+        self.validate_lookup_name("local_draft", self.local_draft, "the draft pool")
         self.validate_lookups()
         if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")

@@ -47,8 +47,7 @@ class DraftSettings(LookupSettings, ModelServerSettings):
         self._validate_lookup()
 
     def _validate_lookup(self) -> None:
-        if self.lookup not in LOOKUPS:
-            raise ValueError(f"lookup must be '' (none), 'ngram' or 'suffix', got {self.lookup!r}")
+        self.validate_lookup_name("lookup", self.lookup, "none")
         if self.lookup and self.model in MODEL_FREE:
             raise ValueError(
                 f"lookup={self.lookup!r} goes with a draft model (hybrid); model={self.model!r} is model-free already"

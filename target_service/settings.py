@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.core.lookup import LOOKUPS, LookupSettings
+from specdec.core.lookup import LookupSettings
 from specdec.rpc.model_service import ModelServerSettings
 from specdec.settings import setting
 
@@ -29,5 +29,4 @@ class TargetSettings(LookupSettings, ModelServerSettings):
     def validate(self) -> None:
         super().validate()
         self.validate_lookups()
-        if self.lookup not in LOOKUPS:
-            raise ValueError(f"lookup must be '' (none), 'ngram' or 'suffix', got {self.lookup!r}")
+        self.validate_lookup_name("lookup", self.lookup, "none")

@@ -53,6 +53,13 @@ class LookupSettings:
         "at depth 24)",
     )
 
+    @staticmethod
+    def validate_lookup_name(field: str, value: str, empty: str) -> None:
+        """ValueError unless `value`, the setting `field`, names a lookup draft or is '' (`empty`: what
+        that means for this service)."""
+        if value not in LOOKUPS:
+            raise ValueError(f"{field} must be '' ({empty}), 'ngram' or 'suffix', got {value!r}")
+
     def validate_lookups(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
             raise ValueError(

@@ -353,7 +353,8 @@ def observe_call_batching(registry: Registry, stats) -> None:
 
 
 def observe_suffix_cache(registry: Registry, service: str, read: Callable[[], float]) -> None:
-    """The suffix draft's cache size, where it runs (the draft service, or a coordinator's LOCAL_DRAFT)."""
+    """The suffix draft's cache size, where it runs (the draft service, a coordinator's LOCAL_DRAFT or a
+    target's LOOKUP)."""
     registry.observe(
         "specdec_suffix_cache_tokens",
         "tokens the suffix draft keeps indexed across sessions",

@@ -117,6 +117,20 @@ def test_a_lookup_makes_a_model_draft_hybrid_and_needs_one(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_a_target_drafts_with_a_lookup_of_its_own_only_when_named(capsys):
+    assert load_settings(TargetSettings, [], {}).lookup == ""
+    env = {"SPECDEC_TARGET_LOOKUP": "suffix", "SPECDEC_TARGET_SUFFIX_MIN_MATCH": "3"}
+    settings = load_settings(TargetSettings, [], env)
+    assert (settings.lookup, settings.suffix_min_match) == ("suffix", 3)
+    for env, message in (
+        ({"SPECDEC_TARGET_LOOKUP": "model"}, "lookup must be '' (none), 'ngram' or 'suffix', got 'model'"),
+        ({"SPECDEC_TARGET_NGRAM_MAX": "0"}, "ngram_min and ngram_max must satisfy"),
+    ):
+        with pytest.raises(SystemExit):
+            load_settings(TargetSettings, [], env)
+        assert message in capsys.readouterr().err
+
+
 def test_the_batching_settings_reach_the_scheduler():
     from specdec.rpc.model_service import scheduler_limits
 

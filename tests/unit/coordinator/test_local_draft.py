@@ -18,7 +18,7 @@ def test_the_local_draft_setting_names_a_lookup_or_the_pool(capsys):
     assert load_settings(CoordinatorSettings, [], {}).local_draft == ""
     assert load_settings(CoordinatorSettings, [], {"SPECDEC_COORDINATOR_LOCAL_DRAFT": "suffix"}).local_draft == "suffix"
     for argv, message in (
-        (["--local-draft", "model"], "local_draft must be '' (the draft pool), ngram or suffix, got 'model'"),
+        (["--local-draft", "model"], "local_draft must be '' (the draft pool), 'ngram' or 'suffix', got 'model'"),
         (["--ngram-max", "99"], "1 <= ngram_min <= ngram_max <= 32"),
         (["--suffix-min-match", "30"], "suffix_min_match must be in [1, suffix_max_depth - 1 = 23]"),
     ):
