@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specdec.core.errors import InvalidArgument
+from specdec.core.errors import InvalidArgument, NoTargetLookup
 from specdec.core.lookup import SuffixDrafter, lookup_drafter
 from specdec.core.protocols import MAX_DECODE_STEPS, MAX_STOP_NGRAM, VerifyRequest
 from specdec.rpc.errors import grpc_errors
@@ -28,7 +28,7 @@ from target_service.verifier import verify_scheduled
 
 def _rounds_of(seq: target_pb2.VerifySequence, vocab_size: int, max_lookup_k: int) -> dict:
     """A sequence's decode uniforms, stop tokens, stop n, lookup K and token bound as VerifyRequest
-    fields; InvalidArgument unless they can run (`max_lookup_k`: 0 where this target has no lookup)."""
+    fields; InvalidArgument unless they can run, lookup_k up to `max_lookup_k`."""
     uniforms = tuple(seq.decode_uniforms)
     if seq.stop_ngram > MAX_STOP_NGRAM:
         raise InvalidArgument(f"stop_ngram must be in [0, {MAX_STOP_NGRAM}], got {seq.stop_ngram}")
@@ -38,8 +38,6 @@ def _rounds_of(seq: target_pb2.VerifySequence, vocab_size: int, max_lookup_k: in
         return {}
     if seq.draft_token_ids or seq.HasField("hidden_states_from"):
         raise InvalidArgument("decode_uniforms run without draft tokens or hidden states")
-    if seq.lookup_k and not max_lookup_k:
-        raise InvalidArgument("lookup_k needs a target with a lookup draft (SPECDEC_TARGET_LOOKUP); this one has none")
     if seq.lookup_k > max_lookup_k:
         raise InvalidArgument(f"lookup_k must be in [0, {max_lookup_k}], got {seq.lookup_k}")
     block = seq.lookup_k + 1
@@ -93,11 +91,12 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             request = VerifyRequest(seq.cache_key, prefix, drafts, hidden_from, **self._rounds(seq))
             validate_length(len(prefix) + max(0, request.most_tokens - 1), runner.max_positions)
             parsed.append(request)
+        if self.lookup is None and any(r.lookup_k for r in parsed):  # (a valid call, for another replica)
+            raise NoTargetLookup("lookup_k needs a lookup draft in the target (SPECDEC_TARGET_LOOKUP); none here")
         return parsed
 
     def _rounds(self, seq: target_pb2.VerifySequence) -> dict:
-        max_lookup_k = self.settings.max_draft_tokens if self.lookup is not None else 0
-        return _rounds_of(seq, self.loaded.runner.vocab_size, max_lookup_k)
+        return _rounds_of(seq, self.loaded.runner.vocab_size, self.settings.max_draft_tokens)
 
     @grpc_errors
     def Verify(self, request, context):  # noqa: N802 - gRPC name

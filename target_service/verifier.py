@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specdec.core.engine import check_laws
-from specdec.core.errors import InvalidArgument
+from specdec.core.errors import NoTargetLookup
 from specdec.core.ngram import lookup_matches
 from specdec.core.protocols import NO_DEADLINE, Deadline, Drafter, DraftRequest, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling, speculative_round
@@ -89,7 +89,7 @@ _NO_SAMPLING = Sampling()  # (a lookup draft's point masses read no sampling par
 def _lookup(lookup: Drafter, request: VerifyRequest, tokens: list[int], k: int) -> list[int]:
     """The lookup's point masses for the sequence so far (its seed unused: a lookup draws nothing)."""
     if lookup is None:
-        raise InvalidArgument("lookup_k needs a target with a lookup draft (SPECDEC_TARGET_LOOKUP)")
+        raise NoTargetLookup("lookup_k needs a target with a lookup draft (SPECDEC_TARGET_LOOKUP)")
     (proposal,) = lookup.propose([DraftRequest(request.cache_key, tokens, k, 0)], _NO_SAMPLING, NO_DEADLINE)
     return list(proposal.draft_token_ids)[:k]
 

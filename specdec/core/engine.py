@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specdec.core.draft_health import DraftHealth
-from specdec.core.errors import InconsistentDraftError, ServiceError
+from specdec.core.errors import InconsistentDraftError, NoTargetLookup, ServiceError
 from specdec.core.hidden import HiddenStateRelay
 from specdec.core.kpolicy import AdaptiveK, DecodeRecord, DraftRecord, FixedK, RoundOutcome, curve_at
 from specdec.core.ngram import lookup_matches
@@ -293,7 +293,13 @@ class SpeculativeEngine:
             steps = self._steps_of_round(spec, policy, k, one_step)
             if k and spec.target_lookup:
                 rounds = 1 if one_step else spec.decode_steps
-                event, played = self._decode(verifier, spec, running, rounds, round_index, stats, deadline, lookup_k=k)
+                call = (verifier, spec, running, rounds, round_index, stats, deadline)
+                try:
+                    event, played = self._decode(*call, lookup_k=k)
+                except NoTargetLookup as exc:  # nothing ran: the round is played again, at K = 0
+                    log.warning("the rest of this request runs at K = 0: %s", exc)
+                    policy = FixedK(0)  # (no draft pool is asked where the target drafts)
+                    continue
             elif steps > 1:
                 event, played = self._decode(verifier, spec, running, steps, round_index, stats, deadline)
             else:

@@ -39,6 +39,14 @@ class HiddenStatesMiss(FailedPrecondition):
     reason = "hidden-states-miss"
 
 
+class NoTargetLookup(FailedPrecondition):
+    """Rounds drafted by the target's lookup (`lookup_k`) asked of a target that has none (a pool
+    mid-rollout, some replicas with SPECDEC_TARGET_LOOKUP and some without): nothing ran, so the
+    caller plays the call another way."""
+
+    reason = "no-target-lookup"
+
+
 class Aborted(ServiceError):
     code = "ABORTED"
 

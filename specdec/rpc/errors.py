@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from specdec.core.errors import HiddenStatesMiss, ServiceError
+from specdec.core.errors import HiddenStatesMiss, NoTargetLookup, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ REASON_KEY = "specdec-reason"
 # On an error that ends a stream after it saved tokens: the session `resume` finishes.
 SESSION_KEY = "specdec-session-id"
 # ServiceError subclasses a client rebuilds from the reason a status carries.
-_BY_REASON: dict[str, type[ServiceError]] = {HiddenStatesMiss.reason: HiddenStatesMiss}
+_BY_REASON: dict[str, type[ServiceError]] = {e.reason: e for e in (HiddenStatesMiss, NoTargetLookup)}
 
 
 def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:

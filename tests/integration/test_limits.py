@@ -13,7 +13,12 @@ import pytest
 from service_stack import start_stack, stop_stack
 
 from specdec.client import build_request
+from specdec.core.errors import NoTargetLookup
+from specdec.core.protocols import NO_DEADLINE, VerifyRequest
+from specdec.core.sampling import Sampling
 from specdec.core.ngram import lookup_matches
+from specdec.rpc.clients import TargetClient
+from specdec.rpc.errors import REASON_KEY
 from specdec.rpc.wire import decode_probs, encode_probs
 from specdec.v1 import (
     common_pb2,
@@ -167,12 +172,25 @@ def test_the_target_runs_decode_steps_and_refuses_those_it_cannot_run_storing_no
             (dict(stop_ngram=65), "stop_ngram must be in [0, 64]"),
             (dict(decode_uniforms=[], stop_ngram=2), "go with decode_uniforms"),
             (dict(decode_uniforms=[], max_tokens=2), "go with decode_uniforms"),
-            (dict(decode_uniforms=[0.5] * 4, lookup_k=3), "SPECDEC_TARGET_LOOKUP"),  # (this target has none)
+            (dict(decode_uniforms=[0.5] * 6, lookup_k=3), "lookup_k + 1 = 4 a round"),  # (bad for any target)
         ]
         for fields, named in cases:
             with pytest.raises(grpc.RpcError) as err:
                 target.Verify(_verify(cache_key="steps-bad", **({"decode_uniforms": [0.5]} | fields)), timeout=30)
             assert err.value.code() == INVALID and named in err.value.details(), (fields, err.value.details())
+        # Rounds this target cannot draft (it has no lookup): a valid call for another replica.
+        with pytest.raises(grpc.RpcError) as err:
+            target.Verify(_verify(cache_key="steps-bad", decode_uniforms=[0.5] * 4, lookup_k=3), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "SPECDEC_TARGET_LOOKUP" in err.value.details()
+        assert (REASON_KEY, NoTargetLookup.reason) in err.value.trailing_metadata()
+        client = TargetClient(tiny_stack.target_address, 30, 10, 64)  # (what the coordinator's engine catches)
+        try:
+            with pytest.raises(NoTargetLookup):
+                request = VerifyRequest("steps-bad", [1, 2], [], decode_uniforms=(0.5,) * 4, lookup_k=3)
+                client.verify([request], Sampling(), NO_DEADLINE)
+        finally:
+            client.close()
         assert cache.token_ids("steps-bad") is None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -798,11 +799,32 @@ def test_rounds_the_target_drafts_itself_give_the_tokens_of_the_engines_own_roun
         assert ended > {FINISH_LENGTH}, ended  # EOS or a stop string came inside some call
 
 
-def test_a_target_without_a_lookup_refuses_lookup_rounds(tiny_loaded):
-    from specdec.core.errors import InvalidArgument
+class LookupKVerifier(CountingVerifier):
+    """As CountingVerifier, recording each call's lookup_k per sequence."""
 
-    with pytest.raises(InvalidArgument, match="SPECDEC_TARGET_LOOKUP"):
-        _run(None, LocalVerifier(tiny_loaded["target"].runner), decode_steps=4, target_lookup=True)
+    def verify(self, requests, sampling, deadline):
+        self.calls.append([r.lookup_k for r in requests])
+        return self.verifier.verify(requests, sampling, deadline)
+
+
+@pytest.mark.parametrize("auto_k", [False, True])
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_a_target_without_a_lookup_refuses_its_rounds_and_the_request_goes_on_at_k0(
+    tiny_loaded, caplog, auto_k, num_samples
+):
+    """A replica without SPECDEC_TARGET_LOOKUP (a pool mid-rollout) refuses the first call of rounds
+    (NoTargetLookup, nothing run): that round is played again at K = 0 and so is the rest of the
+    request, with the tokens a K = 0 request of the same seed gets (T = 1: the same uniforms)."""
+    runner = tiny_loaded["target"].runner
+    spec = dict(seed=7, num_samples=num_samples, max_new_tokens=20, decode_steps=4)
+    alone, _, _ = _run(None, LocalVerifier(runner), **spec, num_speculative_tokens=0)
+    counted = LookupKVerifier(LocalVerifier(runner))
+    with caplog.at_level(logging.WARNING, logger="specdec.core.engine"):
+        refused, stats, _ = _run(None, counted, **spec, target_lookup=True, auto_k=auto_k)
+    assert [s.generated for s in refused] == [s.generated for s in alone]
+    first, later = counted.calls[0], counted.calls[1:]
+    assert first == [2 if auto_k else 3] * num_samples and later and all(k == 0 for call in later for k in call)
+    assert stats.drafted_tokens == 0 and "runs at K = 0" in caplog.text
 
 
 def _lookup_target(rounds, tokens):
