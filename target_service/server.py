@@ -27,14 +27,14 @@ from target_service.verifier import verify_scheduled
 
 
 def _rounds_of(seq: target_pb2.VerifySequence, vocab_size: int, max_lookup_k: int) -> dict:
-    """A sequence's decode uniforms, stop tokens, stop n, lookup K and token bound as VerifyRequest
-    fields; InvalidArgument unless they can run, lookup_k up to `max_lookup_k`."""
+    """A sequence's decode uniforms, stop tokens, stop n, lookup K, token bound and acceptance as
+    VerifyRequest fields; InvalidArgument unless they can run, lookup_k up to `max_lookup_k`."""
     uniforms = tuple(seq.decode_uniforms)
     if seq.stop_ngram > MAX_STOP_NGRAM:
         raise InvalidArgument(f"stop_ngram must be in [0, {MAX_STOP_NGRAM}], got {seq.stop_ngram}")
     if not uniforms:
-        if seq.stop_ngram or seq.lookup_k or seq.max_tokens:
-            raise InvalidArgument("stop_ngram, lookup_k and max_tokens go with decode_uniforms")
+        if seq.stop_ngram or seq.lookup_k or seq.max_tokens or seq.lookup_acceptance:
+            raise InvalidArgument("stop_ngram, lookup_k, max_tokens and lookup_acceptance go with decode_uniforms")
         return {}
     if seq.draft_token_ids or seq.HasField("hidden_states_from"):
         raise InvalidArgument("decode_uniforms run without draft tokens or hidden states")
@@ -47,6 +47,9 @@ def _rounds_of(seq: target_pb2.VerifySequence, vocab_size: int, max_lookup_k: in
         )
     if not all(0.0 <= u < 1.0 for u in uniforms):
         raise InvalidArgument("decode_uniforms must be in [0, 1)")
+    acceptance = tuple(seq.lookup_acceptance)
+    if acceptance and (len(acceptance) != seq.lookup_k or not all(0.0 <= c <= 1.0 for c in acceptance)):
+        raise InvalidArgument(f"lookup_acceptance must be empty or lookup_k = {seq.lookup_k} values in [0, 1]")
     validate_token_ids(list(seq.stop_token_ids), vocab_size, "stop_token_ids")
     return dict(
         decode_uniforms=uniforms,
@@ -54,6 +57,7 @@ def _rounds_of(seq: target_pb2.VerifySequence, vocab_size: int, max_lookup_k: in
         stop_ngram=seq.stop_ngram,
         lookup_k=seq.lookup_k,
         max_tokens=seq.max_tokens,
+        lookup_acceptance=acceptance,
     )
 
 

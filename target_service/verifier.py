@@ -9,6 +9,8 @@ target's own lookup).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -57,20 +59,24 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
     at its block of uniforms, as the coordinator's round would on the same float32 laws; the next
     round steps from its tokens (the session's cache rolls back what was rejected). Ends after a
     stop token, at max_tokens, or where a lookup of stop_ngram tokens would match (the coordinator
-    drafts from there)."""
-    tokens, decoded, played, first = list(request.prefix_token_ids), [], [], None
+    drafts from there). Under auto K a shared step may verify a round's first drafts only
+    (`VerifyRequest.lookup_acceptance`): the round is then played as one of those."""
+    tokens, decoded, played, proposed, first = list(request.prefix_token_ids), [], [], [], None
     block, limit = request.lookup_k + 1, request.most_tokens
     for r in range(request.rounds):
         k = min(request.lookup_k, limit - len(decoded) - 1)
         drafts = _lookup(lookup, request, tokens, k) if k > 0 else []
-        probs, result = yield StepItem(request.cache_key, tokens + drafts, len(drafts) + 1)
+        gains = tuple(itertools.accumulate(request.lookup_acceptance[: len(drafts)], operator.mul))
+        probs, result = yield StepItem(request.cache_key, tokens + drafts, len(drafts) + 1, gains=gains)
         first = result if first is None else first
         check_laws("target", probs)  # what the coordinator checks of laws it is sent
+        verified = drafts[: len(probs) - 1]  # (a shared step may leave out a tail: `draft_rows`)
         uniforms = _Uniforms(request.decode_uniforms[r * block : (r + 1) * block])
-        outcome = speculative_round(drafts, None, probs, uniforms)
+        outcome = speculative_round(verified, None, probs, uniforms)
         decoded += outcome.tokens
         tokens += outcome.tokens
-        played.append((len(drafts), len(outcome.accepted_tokens)))
+        played.append((len(verified), len(outcome.accepted_tokens)))
+        proposed.append(len(drafts))
         if (
             len(decoded) >= limit
             or not request.stop_token_ids.isdisjoint(outcome.tokens)
@@ -79,8 +85,9 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
             break
     laws = np.empty((0, 0), np.float32)
     rounds = tuple(played) if request.lookup_k else ()
+    cut = tuple(proposed) if any(p > d for p, (d, _) in zip(proposed, played, strict=True)) else ()
     step = (result.step_sequences, result.step_rows)
-    return VerifyResult(laws, first.cached_tokens, None, *step, tuple(decoded), rounds)
+    return VerifyResult(laws, first.cached_tokens, None, *step, tuple(decoded), rounds, cut)
 
 
 _NO_SAMPLING = Sampling()  # (a lookup draft's point masses read no sampling parameters)

@@ -227,9 +227,14 @@ def _lookup_rounds(
 ) -> list[tuple[int, RoundResult]]:
     """The rounds of a call the target drafted by lookup (`VerifyRequest.lookup_k`), as (tokens drafted,
     what the round emitted); ServiceError unless each drafted at most lookup_k, accepted at most what
-    it drafted, their tokens add up, and the call took every round it could or ended on a stop token."""
-    tokens, rounds = list(result.decoded_token_ids), result.round_drafts
+    it drafted, proposed (where a step cut it) between the two, their tokens add up, and the call
+    took every round it could or ended on a stop token."""
+    tokens, rounds, proposed = list(result.decoded_token_ids), result.round_drafts, result.round_proposed
     fits = 1 <= len(rounds) <= request.rounds and all(0 <= a <= d <= request.lookup_k for d, a in rounds)
+    if proposed:  # (a step verified fewer drafts than its lookup proposed: only under auto K)
+        pairs = zip(rounds, proposed, strict=False)
+        fits &= bool(request.lookup_acceptance) and len(proposed) == len(rounds)
+        fits &= all(d <= p <= request.lookup_k for (d, _), p in pairs)
     if not fits or sum(a + 1 for _, a in rounds) != len(tokens) or len(tokens) > request.most_tokens:
         raise ServiceError(f"target returned rounds {list(rounds)} ({len(tokens)} tokens) for {request.rounds} rounds")
     played, start = [], 0
@@ -295,7 +300,7 @@ class SpeculativeEngine:
                 rounds = 1 if one_step else spec.decode_steps
                 call = (verifier, spec, running, rounds, round_index, stats, deadline)
                 try:
-                    event, played = self._decode(*call, lookup_k=k)
+                    event, played = self._decode(*call, lookup_k=k, acceptance=policy.draft_acceptance(k))
                 except NoTargetLookup as exc:  # nothing ran: the round is played again, at K = 0
                     log.warning("the rest of this request runs at K = 0: %s", exc)
                     policy = FixedK(0)  # (no draft pool is asked where the target drafts)
@@ -472,13 +477,15 @@ class SpeculativeEngine:
         deadline: Deadline,
         asked: tuple[int, float] = (0, 0.0),
         lookup_k: int = 0,
+        acceptance: tuple[float, ...] = (),
     ) -> tuple[RoundEvent, list[RoundOutcome]]:
         """Rounds round_index.. in one call, played by the target: at K = 0 each sample's token of
         round r drawn at the uniform this engine's K = 0 round r would draw (`speculative_round`'s
         bonus); at `lookup_k` each round drafted by the target's own lookup and played by
         `speculative_round` on the first lookup_k + 1 uniforms of round r's stream, as this engine
         plays a round of point masses. Returns the event and one outcome a round played (the
-        call's seconds shared among them: what such a round costs the K policy).
+        call's seconds shared among them: what such a round costs the K policy). `acceptance`: auto
+        K's (`VerifyRequest.lookup_acceptance`: the target may verify fewer drafts in a shared step).
         `asked`: (K, seconds) of the first round's Propose that drafted nothing (`_round`): the stretch
         then ends where a lookup could match (`spec.stop_ngram`)."""
         asked_k, draft_s = asked
@@ -494,6 +501,7 @@ class SpeculativeEngine:
                 stop_ngram=stop_ngram,
                 lookup_k=lookup_k,
                 max_tokens=room if lookup_k else 0,
+                lookup_acceptance=acceptance,
             )
             for s, room in ((s, self._room(spec, s)) for s in running)
         ]
@@ -509,7 +517,8 @@ class SpeculativeEngine:
             new_tokens[sample.index] = self._append(spec, sample, tokens)
         event = RoundEvent(round_index + played - 1, new_tokens)
         if lookup_k:
-            return event, self._lookup_outcomes(spec, lookup_k, rounds, verify_s)
+            proposed = [r.round_proposed or tuple(d for d, _ in its) for r, its in zip(results, rounds, strict=True)]
+            return event, self._lookup_outcomes(spec, lookup_k, rounds, proposed, verify_s)
         share = _step_share(requests, results)
         outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
         first = replace(outcome, k=asked_k, draft_s=draft_s)  # (the policy counts an empty ask's cost)
@@ -524,20 +533,27 @@ class SpeculativeEngine:
 
     @staticmethod
     def _lookup_outcomes(
-        spec: GenerationSpec, k: int, rounds: list[list[tuple[int, RoundResult]]], verify_s: float
+        spec: GenerationSpec,
+        k: int,
+        rounds: list[list[tuple[int, RoundResult]]],
+        proposed: list[tuple[int, ...]],
+        verify_s: float,
     ) -> list[RoundOutcome]:
         """One outcome per round of a call the target drafted by lookup: its rows are 1 + its longest
-        draft, and its seconds the call's shared by the forward-cost curve at those rows (rows alone
-        without one). Priced as alone: the call's steps ran in company the policy cannot apportion."""
+        draft verified, and its seconds the call's shared by the forward-cost curve at those rows
+        (rows alone without one). Priced as alone: the call's steps ran in company the policy cannot
+        apportion. `proposed`: per sample, each round's proposal (longer where a step cut it)."""
         played = max(len(r) for r in rounds)
         per_round = [
             [(its[j][0], len(its[j][1].accepted_tokens)) for its in rounds if j < len(its)] for j in range(played)
         ]
+        lengths = [[p[j] for p, its in zip(proposed, rounds, strict=True) if j < len(its)] for j in range(played)]
         rows = [1 + max(d for d, _ in pairs) for pairs in per_round]
         weights = [curve_at(spec.verify_costs, r) if spec.verify_costs else float(r) for r in rows]
         total = sum(weights)
         return [
-            RoundOutcome(k, 0.0, verify_s * w / total, r, pairs) for pairs, r, w in zip(per_round, rows, weights)
+            RoundOutcome(k, 0.0, verify_s * w / total, r, pairs, proposed=p)
+            for pairs, p, r, w in zip(per_round, lengths, rows, weights, strict=True)
         ]
 
     @staticmethod

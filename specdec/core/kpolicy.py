@@ -66,6 +66,9 @@ class RoundOutcome:
     model_drawn: Sequence[bool] = ()
     # played in a call of several decode steps (K = 0): verify_s is its share of that call
     decoded: bool = False
+    # per sample, as drafts: what its lookup proposed where a shared step verified fewer (the
+    # target's `draft_rows`; empty: as drafted). Positions cut are not examined, nor rejections.
+    proposed: Sequence[int] = ()
 
 
 UNBOUNDED = 1 << 30  # a run of K = 0 rounds with no end (`zero_run`)
@@ -236,11 +239,15 @@ class StepFit:
     ROW_PRIOR_WEIGHT = 4.0  # as much as steps spread this much in rows (rows^2)
     SEQUENCE_PRIOR_WEIGHT = 0.25
 
-    def __init__(self):
-        self.n = 0
+    def __init__(self, forget: float = 1.0):
+        self.forget = forget  # each step's weight against the next one's (1: all steps alike)
+        self.n = 0.0
         self.sums = dict.fromkeys(("s", "r", "y", "ss", "rr", "sr", "sy", "ry"), 0.0)
 
     def add(self, sequences: int, rows: int, seconds: float) -> None:
+        if self.forget < 1.0:
+            self.n *= self.forget
+            self.sums = {key: value * self.forget for key, value in self.sums.items()}
         self.n += 1
         for key, value in zip(
             self.sums,
@@ -284,6 +291,10 @@ class FixedK:
 
     def observe(self, outcome: RoundOutcome) -> None:
         pass
+
+    def draft_acceptance(self, k: int) -> tuple[float, ...]:
+        """Nothing: every draft of an explicit K is verified (`AdaptiveK.draft_acceptance`)."""
+        return ()
 
 
 class AdaptiveK:
@@ -345,6 +356,7 @@ class AdaptiveK:
         self.lookup_only = draft_lookup and not model_pays
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
+        self.short = [0] * (k_max + 1)  # [i]: of the offered, drafts that stopped before i
         self.asked_at = [0] * (k_max + 1)  # [i]: sequences asked for a draft of at least i tokens
         self.reached = [0] * (k_max + 1)  # [i]: of which the drafter proposed at least i
         self.draft_s = 0.0  # seconds of the Proposes that drafted tokens (rounds after the first)
@@ -374,6 +386,17 @@ class AdaptiveK:
             prior = (self.accepted[i] + self.prior_weight * prior) / (self.offered[i] + self.prior_weight)
             rates.append(prior)
         return rates
+
+    def draft_acceptance(self, k: int) -> tuple[float, ...]:
+        """(c_1..c_k): acceptance at each position where a draft reaches it (as `acceptance`, leaving
+        out the drafts that stopped before it): what a drafted row there yields, for a target that
+        verifies in a shared step only the rows worth their cost (`VerifyRequest.lookup_acceptance`)."""
+        rates, prior = [], self.prior_acceptance
+        for i in range(1, k + 1):
+            examined = self.offered[i] - self.short[i]
+            prior = (self.accepted[i] + self.prior_weight * prior) / (examined + self.prior_weight)
+            rates.append(prior)
+        return tuple(rates)
 
     def reach(self) -> list[float]:
         """[P_0..P_kmax]: the chance a draft asked for at least i tokens proposes at least i, under
@@ -540,7 +563,8 @@ class AdaptiveK:
         if self.rounds >= 2:  # rounds 0 and 1 are fixed, not the model's choices
             self.zero_streak = self.zero_streak + 1 if outcome.k == 0 else 0
         asked = min(outcome.k, self.k_max)
-        for drafted, accepted in outcome.drafts:
+        for n, (drafted, accepted) in enumerate(outcome.drafts):
+            proposed = outcome.proposed[n] if outcome.proposed else drafted
             examined = min(drafted, accepted + 1, self.k_max)  # drafts after a rejection are never examined
             for i in range(1, examined + 1):
                 self.offered[i] += 1
@@ -548,12 +572,14 @@ class AdaptiveK:
             # A draft that stopped short of the K asked for (a model-free drafter without a confident
             # match proposes fewer, often none) gained nothing past its end: for what asking for K
             # yields, a rejection there. Else a drafter that never proposes keeps the prior's
-            # acceptance, and every round pays its Propose for nothing.
-            if accepted == drafted < asked:
+            # acceptance, and every round pays its Propose for nothing. (Not a draft the target's
+            # step cut: its drafts past the cut were never examined.)
+            if accepted == drafted == proposed < asked:
                 self.offered[drafted + 1] += 1
+                self.short[drafted + 1] += 1
             for i in range(1, asked + 1):
                 self.asked_at[i] += 1
-                self.reached[i] += drafted >= i
+                self.reached[i] += proposed >= i
         if self.rounds > 0:  # round 0's timings include the prefill
             steps = max((drafted for drafted, _ in outcome.drafts), default=0)
             if steps:

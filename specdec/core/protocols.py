@@ -98,6 +98,10 @@ class VerifyRequest:
     # examined draft, then the final draw); at most max_tokens tokens in all (0: no such bound)
     lookup_k: int = 0
     max_tokens: int = 0
+    # with lookup_k under auto K: c_1..c_lookup_k, its acceptance at each position where a draft
+    # reaches it; a shared step may then verify only the drafts worth their rows (`draft_rows`).
+    # Empty: every draft is verified (an explicit K).
+    lookup_acceptance: tuple[float, ...] = ()
 
     @property
     def rounds(self) -> int:
@@ -119,8 +123,10 @@ class VerifyResult:
     step_sequences: int = 1  # sequences in the batched forward it ran in, itself included
     step_rows: int = 0  # new rows of all those sequences (0: not reported)
     decoded_token_ids: tuple[int, ...] = ()  # with decode_uniforms: the tokens sampled (target_probs empty)
-    # with lookup_k: per round played, (tokens its lookup drafted, of which accepted)
+    # with lookup_k: per round played, (tokens its lookup drafted and the step verified, of which accepted)
     round_drafts: tuple[tuple[int, int], ...] = ()
+    # ... and per round what the lookup proposed, where a shared step verified fewer (empty: none did)
+    round_proposed: tuple[int, ...] = ()
 
 
 class Drafter(Protocol):

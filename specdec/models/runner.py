@@ -172,6 +172,9 @@ class StepItem:
     hidden_from: int | None = None
     input_hidden: torch.Tensor | None = None
     exact_len: int | None = None
+    # Drafted rows a shared step may leave out (`specdec.models.draft_rows`): the tokens each of
+    # the last len(gains) rows' drafts adds in expectation, non-increasing; the runner ignores it.
+    gains: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ from there, so it receives what it would run whole. Why: a long prompt's forward
 decoding stream of its step (on 2 CPU cores a 384-token prefill costs ~1.5 s, a decode step
 0.1-0.3 s).
 
+Before each step `DraftRows` (`specdec.models.draft_rows`) may leave out the tail of an item's
+drafted rows (those a round of auto K's lookup drafts carries gains for) where their expected
+tokens do not pay for what the rows cost the whole step; it fits each step's seconds to do so.
+
 `run_tasks` drives tasks to completion on the calling thread, with no scheduler: the reference
 the scheduler is tested against, and the path of direct calls (tests, tools).
 """
@@ -47,6 +51,7 @@ from typing import Any
 from specdec.core.errors import AtCapacity, Unavailable
 from specdec.core.protocols import NO_DEADLINE, Deadline
 from specdec.core.tokens import common_prefix_length
+from specdec.models.draft_rows import DraftRows
 from specdec.models.runner import LogitsResult, StepItem
 from specdec.models.threads import one_thread
 
@@ -130,6 +135,7 @@ class _Task:
     # It has stepped and steps on in a call that asked so (decode steps): it is company for a step,
     # not a call waiting for some.
     continuing: bool = False
+    rows: int = 0  # new rows of its part of the step being assembled (`_select`)
 
 
 @dataclass
@@ -235,6 +241,7 @@ class StepScheduler:
         # Model thread only:
         self._tasks: list[_Task] = []  # primed tasks, oldest first
         self._company = CompanyForecast()
+        self.draft_rows = DraftRows()  # which drafted rows a step verifies (`specdec.models.draft_rows`)
         self._step_s = 0.0  # smoothed seconds of a step
         self._step_ended = 0.0  # time.monotonic() at the end of the last step
 
@@ -435,6 +442,7 @@ class StepScheduler:
             batch.append(task)
             sessions.add(task.session_id)
             tokens += cost
+            task.rows = cost
         self._compact()
         return batch
 
@@ -472,10 +480,14 @@ class StepScheduler:
         return StepItem(item.session_id, list(item.token_ids[:end]), 1)
 
     def _step(self, batch: list[_Task]) -> None:
+        prompt = any(t.chunk is not None for t in batch)
+        items, rows = self.draft_rows.trim([t.chunk or t.item for t in batch], sum(t.rows for t in batch))
         started = time.perf_counter()
-        results = self._forward([t.chunk or t.item for t in batch])
+        results = self._forward(items)
         seconds = time.perf_counter() - started
         self._step_s += STEP_GAIN * (seconds - self._step_s) if self._step_s else seconds
+        if not prompt:  # (a prompt's chunk costs what no round's rows do)
+            self.draft_rows.observe(len(batch), rows, seconds)
         for observe in self.step_observers:
             observe(len(batch), seconds)
         self.stats.steps += 1

@@ -312,6 +312,7 @@ def _load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     from specdec.models.loading import load_causal_lm
     from specdec.models.openmp_env import available_cpus
     from specdec.models.runner import SessionKVCache
+    from specdec.models.scheduler import scheduler_for
     from specdec.models.sources import load_tokenizer
     from specdec.models.static_runner import make_runner
     from specdec.models.threads import ThreadGovernor, set_torch_threads, thread_candidates
@@ -363,6 +364,7 @@ def _load_model(settings: ModelServerSettings, role: str) -> LoadedModel:
     info.matmul_dtype = matmul_dtype
     if costs is not None:
         info.forward_cost_ms.extend(costs.milliseconds())
+        scheduler_for(runner).draft_rows.use_curve(costs.seconds)  # (what a drafted row costs a step)
         log.info("%s forward ms by rows: %s; layouts by rows: %s", role, costs.milliseconds(), costs.describe())
     return LoadedModel(runner, info)
 
@@ -497,6 +499,13 @@ def observe_scheduler(registry: Registry, scheduler, role: str) -> None:
     registry.observe("specdec_steps_total", "batched model steps run", "counter", labels, lambda: stats.steps)
     registry.observe(
         "specdec_shared_steps_total", "steps that served more than one call", "counter", labels, lambda: stats.shared
+    )
+    registry.observe(
+        "specdec_draft_rows_cut_total",
+        "drafted rows of auto K's rounds a shared step left out, their expected tokens not worth their cost",
+        "counter",
+        labels,
+        lambda: scheduler.draft_rows.cut,
     )
     registry.observe(
         "specdec_queued_sequences",

@@ -198,6 +198,7 @@ def verify_request(requests: list[VerifyRequest], sampling: Sampling) -> target_
                 stop_ngram=r.stop_ngram if r.decode_uniforms else 0,
                 lookup_k=r.lookup_k if r.decode_uniforms else 0,
                 max_tokens=r.max_tokens if r.decode_uniforms else 0,
+                lookup_acceptance=r.lookup_acceptance if r.decode_uniforms and r.lookup_k else (),
             )
             for r in requests
         ],
@@ -217,6 +218,7 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
                 decoded_token_ids=r.decoded_token_ids,
                 round_drafted=[d for d, _ in r.round_drafts],
                 round_accepted=[a for _, a in r.round_drafts],
+                round_proposed=r.round_proposed,
             )
             for r in results
         ]
@@ -243,8 +245,11 @@ def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[Verif
             step = (max(1, v.step_sequences), max(0, v.step_rows))
             if len(v.round_drafted) != len(v.round_accepted):
                 raise ValueError(f"{len(v.round_drafted)} round_drafted for {len(v.round_accepted)} round_accepted")
+            if v.round_proposed and len(v.round_proposed) != len(v.round_drafted):
+                raise ValueError(f"{len(v.round_proposed)} round_proposed for {len(v.round_drafted)} rounds")
             rounds = tuple(zip(v.round_drafted, v.round_accepted, strict=True))
-            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded, rounds))
+            proposed = tuple(v.round_proposed)
+            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded, rounds, proposed))
             continue
         laws = decode_probs(v.target_probs)
         if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:

@@ -159,7 +159,7 @@ def assert_draft_follows_law(
     name: str,
     prompt: list[int],
     length: int,
-    k: int,
+    k: int | None,
     seed: int,
     total: int = 14_000,
     significance: float = 0.001,
@@ -168,7 +168,7 @@ def assert_draft_follows_law(
     """The pipeline's first `length` tokens against the target's exact law (chi-square at
     `significance`, enough samples to see a TV of 0.05 at power 0.9), for a draft that must have
     proposed tokens, some accepted and more than a tenth of the samples rejected: a law test in
-    which no proposal is examined would pass for any drafter."""
+    which no proposal is examined would pass for any drafter. k None: the coordinator's default K."""
     law = exact_sequence_law(model, prompt, length, sampling)
     counts, drafted, accepted, recovered = sample_counts(
         stub, prompt, length, k, sampling, total, max_new_tokens=length, seed=seed

@@ -172,6 +172,7 @@ def test_the_target_runs_decode_steps_and_refuses_those_it_cannot_run_storing_no
             (dict(stop_ngram=65), "stop_ngram must be in [0, 64]"),
             (dict(decode_uniforms=[], stop_ngram=2), "go with decode_uniforms"),
             (dict(decode_uniforms=[], max_tokens=2), "go with decode_uniforms"),
+            (dict(decode_uniforms=[], lookup_acceptance=[0.5]), "go with decode_uniforms"),
             (dict(decode_uniforms=[0.5] * 6, lookup_k=3), "lookup_k + 1 = 4 a round"),  # (bad for any target)
         ]
         for fields, named in cases:
@@ -227,6 +228,9 @@ def test_a_target_with_a_lookup_plays_drafted_rounds_and_refuses_those_it_cannot
                 (dict(decode_uniforms=[0.5] * 65 * 2, lookup_k=1), "at most 64 rounds"),
                 (dict(decode_uniforms=[0.5] * 64, lookup_k=1), "positions"),  # 2 + 64 tokens > 64
                 (dict(decode_uniforms=[0.5] * 64, lookup_k=1, max_tokens=70), "positions"),
+                (dict(decode_uniforms=[0.5] * 8, lookup_k=3, lookup_acceptance=[0.5] * 2), "lookup_acceptance"),
+                (dict(decode_uniforms=[0.5] * 8, lookup_k=3, lookup_acceptance=[0.5, 1.5, 0.5]), "lookup_acceptance"),
+                (dict(decode_uniforms=[0.5] * 4, lookup_k=3, lookup_acceptance=[float("nan")] * 3), "[0, 1]"),
             ]
             for fields, named in cases:
                 with pytest.raises(grpc.RpcError) as err:
@@ -235,6 +239,10 @@ def test_a_target_with_a_lookup_plays_drafted_rounds_and_refuses_those_it_cannot
             assert cache.token_ids("lookup-bad") is None
             small = _verify(cache_key="lookup-small", decode_uniforms=[0.5] * 64, lookup_k=1, max_tokens=8)
             assert len(target.Verify(small, timeout=30).verifications[0].decoded_token_ids) <= 8
+            auto = dict(decode_uniforms=[0.5] * 8, lookup_k=3, lookup_acceptance=[0.5] * 3)
+            weighed = _verify(cache_key="lookup-auto", **auto)
+            (done,) = target.Verify(weighed, timeout=30).verifications
+            assert done.decoded_token_ids and len(done.round_proposed) in (0, len(done.round_drafted))
     finally:
         server.server.stop(0).wait(10)
 

@@ -302,3 +302,30 @@ def test_targets_own_suffix_draft_samples_follow_the_target_law(
     mix = f"; the target's suffix draft proposed in {proposed} of {len(drafted)} rounds"
     record_property("summary", fit.summary + mix)
     assert proposed > 1000, (proposed, len(drafted))
+
+
+def test_targets_own_suffix_draft_under_auto_k_with_rounds_cut_follows_the_target_law(
+    target_suffix_stack, tiny_loaded, record_property, monkeypatch
+):
+    """Auto K (num_speculative_tokens unset) sends its acceptance per position, and a shared step may
+    then verify only a round's first drafts (`specdec.models.draft_rows`). Here every such round is
+    cut at random, by a generator of its own (never the round's uniforms): each is then a round of the
+    shorter draft, and the law stays the target's."""
+    import random
+
+    from specdec.models import draft_rows
+
+    stub, _ = target_suffix_stack
+    rng, cuts = random.Random(11), []
+
+    def cut_at_random(self, items, rows):
+        drops = [len(item.gains) - rng.randint(0, len(item.gains)) for item in items]
+        cuts.extend(drop for item, drop in zip(items, drops, strict=True) if item.gains)
+        return [draft_rows._cut(item, drop) for item, drop in zip(items, drops, strict=True)], rows - sum(drops)
+
+    monkeypatch.setattr(draft_rows.DraftRows, "trim", cut_at_random)
+    model = tiny_loaded["target"].runner.model
+    fit = assert_draft_follows_law(stub, model, "target suffix auto K, cut", PROMPT, LENGTH, None, seed=97)
+    cut = sum(1 for drop in cuts if drop)
+    record_property("summary", f"{fit.summary}; {cut} of {len(cuts)} drafted rounds cut")
+    assert cut > 1000, (cut, len(cuts))

@@ -17,12 +17,13 @@ from specdec.core.engine import (
     GenerationSpec,
     SpeculativeEngine,
     Stats,
+    _lookup_rounds,
     check_laws,
     new_samples,
 )
 from specdec.core.errors import DeadlineExceeded, ServiceError, Unavailable
 from specdec.core.kpolicy import AdaptiveK, FixedK
-from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, VerifyResult
+from specdec.core.protocols import NO_DEADLINE, Deadline, DraftProposal, VerifyRequest, VerifyResult
 from specdec.core.sampling import Sampling
 from target_service.verifier import LocalVerifier
 
@@ -827,6 +828,45 @@ def test_a_target_without_a_lookup_refuses_its_rounds_and_the_request_goes_on_at
     assert stats.drafted_tokens == 0 and "runs at K = 0" in caplog.text
 
 
+class AcceptanceRecorder(CountingVerifier):
+    """As CountingVerifier, recording each lookup call's acceptance and its results."""
+
+    def __init__(self, verifier):
+        super().__init__(verifier)
+        self.results = []
+
+    def verify(self, requests, sampling, deadline):
+        self.calls.append([r.lookup_acceptance for r in requests if r.lookup_k])
+        self.results += (results := self.verifier.verify(requests, sampling, deadline))
+        return results
+
+
+@pytest.mark.parametrize("auto_k", [False, True])
+def test_auto_k_sends_its_acceptance_and_reads_the_rounds_a_shared_step_cut(tiny_loaded, monkeypatch, auto_k):
+    """Auto K's calls of rounds carry c_1..c_K (`AdaptiveK.draft_acceptance`), an explicit K's none.
+    A step that verifies none of a round's drafts (every cut taken here) leaves no drafted token in
+    the stats, and the policy reads what the lookup proposed: reached, never examined."""
+    import specdec.core.engine as engine_module
+    from specdec.models import draft_rows
+
+    made = []
+    monkeypatch.setattr(engine_module, "AdaptiveK", lambda *a, **kw: made.append(AdaptiveK(*a, **kw)) or made[-1])
+    monkeypatch.setattr(draft_rows.DraftRows, "trim", lambda self, items, rows: (
+        [draft_rows._cut(item, len(item.gains)) for item in items], rows - sum(len(i.gains) for i in items)))
+    recorder = AcceptanceRecorder(LocalVerifier(tiny_loaded["target"].runner, _ngram_drafter()))
+    spec = dict(context_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], seed=3, max_new_tokens=40, decode_steps=4)
+    _, stats, _ = _run(None, recorder, **spec, target_lookup=True, auto_k=auto_k)
+    sent = [acceptance for call in recorder.calls for acceptance in call]
+    proposed = sum(sum(r.round_proposed) for r in recorder.results)
+    if not auto_k:
+        assert sent and all(a == () for a in sent) and stats.drafted_tokens > 0 and proposed == 0
+        return
+    assert sent and all(len(a) > 0 and all(0 < c < 1 for c in a) for a in sent)
+    assert stats.drafted_tokens == 0 and proposed > 0
+    policy = made[0]
+    assert policy.reached[1] > 0 and policy.accepted[1] == 0
+
+
 def _lookup_target(rounds, tokens):
     """A target that answers lookup calls with `rounds` and `tokens`, the prompt's (one round) with a
     decode step of token 1."""
@@ -868,6 +908,28 @@ def test_a_target_whose_lookup_rounds_do_not_add_up_is_a_clear_error(rounds, tok
     samples, stats, _ = run()
     assert samples[0].generated[1 : 1 + len(tokens)] == list(tokens)
     assert stats.drafted_tokens == sum(d for d, _ in rounds) and stats.accepted_tokens == sum(a for _, a in rounds)
+
+
+@pytest.mark.parametrize(
+    "proposed, acceptance, ok",
+    [
+        ((3, 0), (0.5,) * 3, True),  # the first round's 3 proposed, 2 verified
+        ((3, 0), (), False),  # an explicit K's rounds are never cut
+        ((1, 0), (0.5,) * 3, False),  # fewer proposed than verified
+        ((4, 0), (0.5,) * 3, False),  # more than K
+        ((3,), (0.5,) * 3, False),  # not one a round
+    ],
+)
+def test_rounds_a_shared_step_cut_are_read_only_under_auto_k_and_within_k(proposed, acceptance, ok):
+    spec = GenerationSpec([1, 2, 3], 12, Sampling(0.0), 5, 3)
+    request = VerifyRequest("k", [1, 2, 3], [], decode_uniforms=(0.5,) * 8, lookup_k=3, lookup_acceptance=acceptance)
+    rounds = dict(decoded_token_ids=(4, 4, 4, 5), round_drafts=((2, 2), (0, 0)), round_proposed=proposed)
+    result = VerifyResult(np.empty((0, 0), np.float32), **rounds)
+    if ok:
+        assert [drafted for drafted, _ in _lookup_rounds(spec, result, request)] == [2, 0]
+    else:
+        with pytest.raises(ServiceError, match="target returned rounds"):
+            _lookup_rounds(spec, result, request)
 
 
 def test_the_policy_sees_each_lookup_round_with_its_rows_and_a_share_of_the_call(monkeypatch):

@@ -123,6 +123,28 @@ def test_a_drafter_that_proposes_nothing_is_asked_only_when_probing():
     assert short.offered[1:] == [3, 2, 2, 1] and short.accepted[1:] == [2, 2, 1, 1]
 
 
+def test_acceptance_where_a_draft_reaches_leaves_out_the_drafts_that_stopped_before():
+    """c_i (what the target weighs a drafted row by, `VerifyRequest.lookup_acceptance`): as a_i, but
+    a draft that stopped short of position i is not a rejection there; an explicit K sends none."""
+    policy = AdaptiveK(4, prior_weight=0.0)
+    policy.observe(RoundOutcome(4, 0.0, 0.0, 3, [(2, 2), (4, 4), (1, 0), (0, 0)]))
+    assert policy.acceptance() == pytest.approx([2 / 4, 2 / 2, 1 / 2, 1.0])  # (stops count as rejections)
+    assert policy.draft_acceptance(4) == pytest.approx([2 / 3, 2 / 2, 1 / 1, 1 / 1])
+    assert policy.draft_acceptance(2) == pytest.approx([2 / 3, 1.0])
+    assert AdaptiveK(3).draft_acceptance(3) == pytest.approx([0.5] * 3)  # the prior
+    assert FixedK(4).draft_acceptance(4) == ()
+
+
+def test_drafts_a_shared_step_cut_are_neither_rejections_nor_short_proposals():
+    """The target verified 1 of a proposal of 3 (`RoundOutcome.proposed`): position 2 was never
+    examined, and the drafter did reach 3."""
+    cut, whole = AdaptiveK(4, prior_weight=0.0), AdaptiveK(4, prior_weight=0.0)
+    cut.observe(RoundOutcome(4, 0.0, 0.0, 2, [(1, 1)], proposed=[3]))
+    whole.observe(RoundOutcome(4, 0.0, 0.0, 2, [(1, 1)]))
+    assert cut.offered[1:] == [1, 0, 0, 0] and cut.reached[1:] == [1, 1, 1, 0]
+    assert whole.offered[1:] == [1, 1, 0, 0] and whole.reached[1:] == [1, 0, 0, 0]
+
+
 def test_rounds_without_a_proposal_cost_a_one_row_verify_not_k_plus_one_rows():
     """A drafter that proposes in every other round, all accepted: rows cost 60% of a 1-row Verify
     each. Priced at K + 1 rows every round, no K would pay (K = 1: 1.5 tokens for 1.6 rows); priced

@@ -317,20 +317,22 @@ def test_verify_request_carries_every_field_and_tells_hidden_from_0_from_unset()
         VerifyRequest("c", [1, 2], [7], hidden_from=1),
         VerifyRequest("d", [1, 2], [], decode_uniforms=(0.25, 0.5), stop_token_ids=frozenset({3}), stop_ngram=2),
         VerifyRequest("e", [1, 2], [], decode_uniforms=(0.25, 0.5, 0.75) * 2, lookup_k=2, max_tokens=5),
+        VerifyRequest("f", [1, 2], [], decode_uniforms=(0.25, 0.5, 0.75), lookup_k=2, lookup_acceptance=(0.75, 0.5)),
     ]
     sampling = Sampling(0.0, top_k=0, top_p=0.5)
     message = _over_the_wire(wire.verify_request(requests, sampling))
 
     assert wire.sampling_from_proto(message.sampling) == sampling
-    assert [s.HasField("hidden_states_from") for s in message.sequences] == [True, False, True, False, False]
+    assert [s.HasField("hidden_states_from") for s in message.sequences] == [True, False, True] + [False] * 3
     assert _verify_requests_from_proto(message) == [
         VerifyRequest("cache-b", [1, 2, 3], [4, 5], 0),
         VerifyRequest("", [1], [], None),
         VerifyRequest("c", [1, 2], [7], 1),
         VerifyRequest("d", [1, 2], [], None, 0, (0.25, 0.5), frozenset({3}), 2),
         VerifyRequest("e", [1, 2], [], None, 0, (0.25, 0.5, 0.75) * 2, frozenset(), 0, 2, 5),
+        VerifyRequest("f", [1, 2], [], None, 0, (0.25, 0.5, 0.75), frozenset(), 0, 2, 0, (0.75, 0.5)),
     ]
-    assert _verify_requests_from_proto(message)[-1].rounds == 2
+    assert _verify_requests_from_proto(message)[-2].rounds == 2
 
 
 def test_lookup_rounds_come_back_with_their_counts_and_a_mismatch_is_refused():
@@ -341,6 +343,14 @@ def test_lookup_rounds_come_back_with_their_counts_and_a_mismatch_is_refused():
     assert back.decoded_token_ids == (4, 5, 6) and back.round_drafts == ((2, 1), (0, 0))
     del message.verifications[0].round_accepted[1]
     with pytest.raises(ValueError, match="round_drafted"):
+        wire.verify_results_from_proto(message)
+    # What the lookup proposed, where a shared step verified fewer: one per round, or none.
+    cut = [VerifyResult(no_laws, 3, decoded_token_ids=(4, 5), round_drafts=((1, 1),), round_proposed=(3,))]
+    message = _over_the_wire(wire.verify_response(cut))
+    (back,) = wire.verify_results_from_proto(message)
+    assert back.round_drafts == ((1, 1),) and back.round_proposed == (3,)
+    message.verifications[0].round_proposed.append(2)
+    with pytest.raises(ValueError, match="round_proposed"):
         wire.verify_results_from_proto(message)
 
 
