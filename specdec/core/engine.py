@@ -227,8 +227,8 @@ def _lookup_rounds(
 ) -> list[tuple[int, RoundResult]]:
     """The rounds of a call the target drafted by lookup (`VerifyRequest.lookup_k`), as (tokens drafted,
     what the round emitted); ServiceError unless each drafted at most lookup_k, accepted at most what
-    it drafted, proposed (where a step cut it) between the two, their tokens add up, and the call
-    took every round it could or ended on a stop token."""
+    it drafted, proposed (where a shared step cut it) at least what it drafted and at most lookup_k,
+    their tokens add up, and the call took every round it could or ended on a stop token."""
     tokens, rounds, proposed = list(result.decoded_token_ids), result.round_drafts, result.round_proposed
     fits = 1 <= len(rounds) <= request.rounds and all(0 <= a <= d <= request.lookup_k for d, a in rounds)
     if proposed:  # (a step verified fewer drafts than its lookup proposed: only under auto K)

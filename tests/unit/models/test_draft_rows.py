@@ -48,12 +48,12 @@ def test_in_company_only_the_rows_worth_their_cost_to_the_step_are_verified():
     assert trimmed[:6] == items[:6] and new_rows == 8 + 3 and rows.cut == 2
 
 
-def test_alone_a_row_is_cheap_against_the_step_and_a_likely_draft_is_kept():
-    """1 sequence of 1 row: 13 ms for 1 token, a row must bring more than 1 / 13 = 0.077 tokens
-    (the 0.2 draft cut among 8 sequences above is kept here)."""
-    rows = _steps(DraftRows(), 0.010, 0.002, 0.001)
-    (alone,), new_rows = rows.trim([_round("a", 4, (0.6, 0.36, 0.2, 0.05))], 5)
-    assert alone.num_last == 4 and new_rows == 4
+def test_a_step_of_one_sequence_is_left_as_its_request_asked():
+    """Alone, the request's own K policy prices its rows by its calls' seconds: nothing is cut, even
+    where the fit says a row costs more than it returns (here 50 ms for a 0.2-token draft)."""
+    rows = _steps(DraftRows(), 0.010, 0.002, 0.05)
+    alone = [_round("a", 2, (0.2, 0.1))]
+    assert rows.trim(alone, 3) == (alone, 3) and rows.cut == 0
 
 
 @pytest.mark.parametrize("per_row_s, kept", [(0.0, 3), (0.004, 1), (0.05, 0)])
