@@ -49,7 +49,8 @@ def exported_series() -> set[str]:
     observe_draft_health(registry, SimpleNamespace(fallback_rounds=0, failures=0, healthy=True))
     observe_draft_records(registry, {True: DraftRecord(), False: DraftRecord()})
     observe_kv_cache(registry, _Cache(), "target")
-    scheduler = SimpleNamespace(stats=SimpleNamespace(steps=0, shared=0), queued=0, step_observers=[])
+    stats, draft_rows = SimpleNamespace(steps=0, shared=0), SimpleNamespace(cut=0)
+    scheduler = SimpleNamespace(stats=stats, queued=0, step_observers=[], draft_rows=draft_rows)
     observe_scheduler(registry, scheduler, "target")
     families = [*registry.collectors.collect(), *http_metrics.REQUESTS.collect(), *http_metrics.DURATION.collect()]
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
