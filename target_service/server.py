@@ -96,7 +96,7 @@ class TargetServicer(ModelServicerBase, target_pb2_grpc.TargetServiceServicer):
             validate_length(len(prefix) + max(0, request.most_tokens - 1), runner.max_positions)
             parsed.append(request)
         if self.lookup is None and any(r.lookup_k for r in parsed):  # (a valid call, for another replica)
-            raise NoTargetLookup("lookup_k needs a lookup draft in the target (SPECDEC_TARGET_LOOKUP); none here")
+            raise NoTargetLookup()
         return parsed
 
     def _rounds(self, seq: target_pb2.VerifySequence) -> dict:

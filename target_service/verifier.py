@@ -96,7 +96,7 @@ _NO_SAMPLING = Sampling()  # (a lookup draft's point masses read no sampling par
 def _lookup(lookup: Drafter, request: VerifyRequest, tokens: list[int], k: int) -> list[int]:
     """The lookup's point masses for the sequence so far (its seed unused: a lookup draws nothing)."""
     if lookup is None:
-        raise NoTargetLookup("lookup_k needs a target with a lookup draft (SPECDEC_TARGET_LOOKUP)")
+        raise NoTargetLookup()
     (proposal,) = lookup.propose([DraftRequest(request.cache_key, tokens, k, 0)], _NO_SAMPLING, NO_DEADLINE)
     return list(proposal.draft_token_ids)[:k]
 

@@ -46,6 +46,9 @@ class NoTargetLookup(FailedPrecondition):
 
     reason = "no-target-lookup"
 
+    def __init__(self, message: str = "lookup_k needs a lookup draft in the target (SPECDEC_TARGET_LOOKUP); none here"):
+        super().__init__(message)
+
 
 class Aborted(ServiceError):
     code = "ABORTED"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from specdec.core.kpolicy import PREFILL_ROWS_PER_SEQUENCE, StepFit
+from specdec.core.kpolicy import PREFILL_ROWS_PER_SEQUENCE, StepFit, curve_at
 from specdec.models.runner import StepItem
 
 # A step's weight in the fit after this many more steps: e^-1 (the fit follows a drifting machine
@@ -44,11 +44,11 @@ class DraftRows:
         self.cut = 0  # drafted rows left out so far (metrics)
 
     def use_curve(self, seconds: Sequence[float]) -> None:
-        """The model's start-up forward costs ([r - 1]: seconds of r rows of one sequence): the
-        slope of their upper half, where rows cost what the products add, as a row's prior cost."""
-        if len(seconds) >= 2:
-            half = len(seconds) // 2
-            self.row_prior_s = max(0.0, (seconds[-1] - seconds[half - 1]) / (len(seconds) - half))
+        """The model's start-up forward costs ([r - 1]: seconds of r rows of one sequence): what a
+        row adds past their end (`curve_at`: their upper half's slope, where rows cost what the
+        products add), as a row's prior cost."""
+        if seconds:
+            self.row_prior_s = curve_at(seconds, len(seconds) + 1) - seconds[-1]
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A step's size and seconds; a prompt's (more rows than rounds make) is not a round's cost."""

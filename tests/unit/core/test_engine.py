@@ -531,14 +531,16 @@ def test_check_laws_refuses_rows_that_do_not_sum_to_one():
 
 
 class CountingVerifier:
-    """The tiny target's LocalVerifier, recording each call's decode steps per sequence."""
+    """The tiny target's LocalVerifier, recording per call `seen` of each sequence's request (by
+    default its decode steps), and every result."""
 
-    def __init__(self, verifier):
-        self.verifier, self.calls = verifier, []
+    def __init__(self, verifier, seen=lambda request: len(request.decode_uniforms)):
+        self.verifier, self.seen, self.calls, self.results = verifier, seen, [], []
 
     def verify(self, requests, sampling, deadline):
-        self.calls.append([len(r.decode_uniforms) for r in requests])
-        return self.verifier.verify(requests, sampling, deadline)
+        self.calls.append([self.seen(r) for r in requests])
+        self.results += (results := self.verifier.verify(requests, sampling, deadline))
+        return results
 
 
 @pytest.mark.parametrize(
@@ -758,14 +760,6 @@ def test_auto_k_knows_when_an_empty_ask_is_played_as_decode_steps(monkeypatch, s
 # ------------------------------------------------------------------ rounds the target drafts by its own lookup
 
 
-class LookupCountingVerifier(CountingVerifier):
-    """As CountingVerifier, recording each call's rounds per sequence."""
-
-    def verify(self, requests, sampling, deadline):
-        self.calls.append([r.rounds for r in requests])
-        return self.verifier.verify(requests, sampling, deadline)
-
-
 @pytest.mark.parametrize(
     "sampling", [Sampling(1.0), Sampling(0.8, top_k=3, top_p=0.9), Sampling(0.0)], ids=["T1", "topk-topp", "greedy"]
 )
@@ -777,7 +771,7 @@ def test_rounds_the_target_drafts_itself_give_the_tokens_of_the_engines_own_roun
     uniforms of that round's stream, as this engine plays a round of point masses: the same tokens,
     rounds and counts (EOS and stop strings cutting where they cut), in fewer calls."""
     runner = tiny_loaded["target"].runner
-    plain, own = LocalVerifier(runner), LookupCountingVerifier(LocalVerifier(runner, _ngram_drafter()))
+    plain, own = LocalVerifier(runner), CountingVerifier(LocalVerifier(runner, _ngram_drafter()), lambda r: r.rounds)
     ended, calls, rounds, drafted = set(), 0, 0, 0
     for seed in range(6):
         spec = dict(
@@ -800,14 +794,6 @@ def test_rounds_the_target_drafts_itself_give_the_tokens_of_the_engines_own_roun
         assert ended > {FINISH_LENGTH}, ended  # EOS or a stop string came inside some call
 
 
-class LookupKVerifier(CountingVerifier):
-    """As CountingVerifier, recording each call's lookup_k per sequence."""
-
-    def verify(self, requests, sampling, deadline):
-        self.calls.append([r.lookup_k for r in requests])
-        return self.verifier.verify(requests, sampling, deadline)
-
-
 @pytest.mark.parametrize("auto_k", [False, True])
 @pytest.mark.parametrize("num_samples", [1, 3])
 def test_a_target_without_a_lookup_refuses_its_rounds_and_the_request_goes_on_at_k0(
@@ -819,26 +805,13 @@ def test_a_target_without_a_lookup_refuses_its_rounds_and_the_request_goes_on_at
     runner = tiny_loaded["target"].runner
     spec = dict(seed=7, num_samples=num_samples, max_new_tokens=20, decode_steps=4)
     alone, _, _ = _run(None, LocalVerifier(runner), **spec, num_speculative_tokens=0)
-    counted = LookupKVerifier(LocalVerifier(runner))
+    counted = CountingVerifier(LocalVerifier(runner), lambda r: r.lookup_k)
     with caplog.at_level(logging.WARNING, logger="specdec.core.engine"):
         refused, stats, _ = _run(None, counted, **spec, target_lookup=True, auto_k=auto_k)
     assert [s.generated for s in refused] == [s.generated for s in alone]
     first, later = counted.calls[0], counted.calls[1:]
     assert first == [2 if auto_k else 3] * num_samples and later and all(k == 0 for call in later for k in call)
     assert stats.drafted_tokens == 0 and "runs at K = 0" in caplog.text
-
-
-class AcceptanceRecorder(CountingVerifier):
-    """As CountingVerifier, recording each lookup call's acceptance and its results."""
-
-    def __init__(self, verifier):
-        super().__init__(verifier)
-        self.results = []
-
-    def verify(self, requests, sampling, deadline):
-        self.calls.append([r.lookup_acceptance for r in requests if r.lookup_k])
-        self.results += (results := self.verifier.verify(requests, sampling, deadline))
-        return results
 
 
 @pytest.mark.parametrize("auto_k", [False, True])
@@ -853,10 +826,11 @@ def test_auto_k_sends_its_acceptance_and_reads_the_rounds_a_shared_step_cut(tiny
     monkeypatch.setattr(engine_module, "AdaptiveK", lambda *a, **kw: made.append(AdaptiveK(*a, **kw)) or made[-1])
     monkeypatch.setattr(draft_rows.DraftRows, "trim", lambda self, items, rows: (
         [draft_rows._cut(item, len(item.gains)) for item in items], rows - sum(len(i.gains) for i in items)))
-    recorder = AcceptanceRecorder(LocalVerifier(tiny_loaded["target"].runner, _ngram_drafter()))
+    lookup_target = LocalVerifier(tiny_loaded["target"].runner, _ngram_drafter())
+    recorder = CountingVerifier(lookup_target, lambda r: (r.lookup_k, r.lookup_acceptance))
     spec = dict(context_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], seed=3, max_new_tokens=40, decode_steps=4)
     _, stats, _ = _run(None, recorder, **spec, target_lookup=True, auto_k=auto_k)
-    sent = [acceptance for call in recorder.calls for acceptance in call]
+    sent = [acceptance for call in recorder.calls for k, acceptance in call if k]
     proposed = sum(sum(r.round_proposed) for r in recorder.results)
     if not auto_k:
         assert sent and all(a == () for a in sent) and stats.drafted_tokens > 0 and proposed == 0
