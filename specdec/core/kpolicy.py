@@ -407,6 +407,20 @@ class AdaptiveK:
             rates.append(prior)
         return rates
 
+    def expected_tokens(self) -> list[float]:
+        """[K = 0..k_max]: a round's expected tokens when it asks for K: 1 + sum over i <= K of
+        P_i c_1 ... c_i, the i-th draft emitted where the draft reaches i (`reach`) and it and every
+        draft before it are accepted (`draft_acceptance`). Close to chaining a_i (`acceptance`) once
+        data come in, but a position few drafts have reached leans on c_{i-1} and P_{i-1}, not on
+        a_{i-1}: a lookup that proposes at a quarter of its rounds, and whose proposals copy on for
+        several tokens once they start, would otherwise look a quarter as good at every depth (on
+        document QA at T = 0 auto K then asked for 1-2 tokens for a whole answer)."""
+        expected, run = [1.0], 1.0
+        for reach, rate in zip(self.reach()[1:], self.draft_acceptance(self.k_max), strict=True):
+            run *= rate
+            expected.append(expected[-1] + reach * run)
+        return expected
+
     def verify_cost(self, rows: int, measured: dict[int, float] | None = None) -> float:
         """Seconds of a Verify of `rows` rows per sequence: alone, measured, else estimated from
         measured ones; in company, at a shared step of the others' rows + ours. measured: the mean
@@ -495,11 +509,8 @@ class AdaptiveK:
         it (their tokens over the Verify alone: they do not wait for this request's draft, but its
         rows lengthen their step). Alone, that is this request's own speed; in a batch, drafting
         pays only if its gain beats what its extra rows cost the whole step."""
-        rates, (per_ask, per_token) = self.acceptance(), self.draft_cost()
-        expected, run = [1.0], 1.0  # [K]: expected tokens of a sequence drafting K
-        for rate in rates:
-            run *= rate
-            expected.append(expected[-1] + run)
+        per_ask, per_token = self.draft_cost()
+        reach, expected = self.reach(), self.expected_tokens()
         others = self.others
         if self._in_company() and self.others >= 1:  # the others draft too: as this request accepts
             mean_k = min(float(self.k_max), max(0.0, self.others_rows / self.others - 1))
@@ -508,7 +519,7 @@ class AdaptiveK:
             others *= expected[low] + (mean_k - low) * (expected[high] - expected[low])
         # A round verifies 1 + its draft's length rows, and a model-free drafter's length is its own
         # (up to K): K + 1 rows are paid only as often as its drafts reach K.
-        reach, costs = self.reach(), self._verify_costs()
+        costs = self._verify_costs()
         out, shorter, drafted = [], 0.0, 0.0  # shorter: the cost of rounds whose draft stopped before K
         zero = costs[0] * (self.decode_prior if self.decodes else 1.0)
         if self.decoded_rounds:  # never above a Verify of its own: a share of one call without its round trip

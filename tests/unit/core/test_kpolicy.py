@@ -521,3 +521,35 @@ def test_an_empty_ask_played_as_decode_steps_is_priced_as_one():
 
     assert policy(False).choose() == 0
     assert policy(True).choose() == 2
+
+
+def test_expected_tokens_chain_what_a_draft_reaches_and_what_is_accepted_there():
+    """1 + sum P_i c_1..c_i: a lookup proposed at 2 of 8 asks for 1 token, both accepted. Deeper
+    positions, never asked, lean on P_1 and c_1 (0.4 and 0.75 under the prior of weight 2), not on
+    a_1 = 0.3, which counts the 6 empty asks as rejections and would price every depth so."""
+    policy = AdaptiveK(3)
+    for n in range(8):
+        drafted = 1 if n < 2 else 0
+        policy.observe(RoundOutcome(1, 0.0, 0.01, 1 + drafted, [(drafted, drafted)]))
+    assert policy.acceptance()[0] == pytest.approx(0.3)
+    assert policy.reach()[1:] == pytest.approx([0.4, 0.4, 0.4])
+    assert policy.draft_acceptance(3) == pytest.approx([0.75, 0.75, 0.75])
+    assert policy.expected_tokens() == pytest.approx([1, 1.3, 1.3 + 0.4 * 0.75**2, 1.3 + 0.4 * (0.75**2 + 0.75**3)])
+
+
+def test_a_lookup_that_seldom_proposes_but_copies_on_once_it_does_is_soon_asked_for_several_tokens():
+    """A quarter of the asks find a match, a match copies up to 4 tokens, all accepted; a drafted row
+    costs a quarter of a 1-row Verify. Asking K = 4 yields 1 + 0.25 * 4 = 2 tokens for 1.25 rows'
+    cost on average, K = 1 1.25 tokens for 1.06. Priced by `expected_tokens`, K reaches 3-4 by the
+    8th round and stays; chaining a_i (the empty asks as rejections at every depth) kept it at 1-2
+    for 16 rounds, a sixth of a 96-token answer."""
+    curve = tuple(1 + 0.25 * rows for rows in range(5))
+    policy = AdaptiveK(4, verify_curve=curve)
+    chosen = []
+    for n in range(60):
+        k = policy.choose()
+        chosen.append(k)
+        drafted = min(k, 4) if n % 4 == 1 else 0
+        policy.observe(RoundOutcome(k, 0.0, 0.010 * (1 + 0.25 * drafted), 1 + drafted, [(drafted, drafted)]))
+    assert sum(k >= 3 for k in chosen[:20]) >= 10, chosen
+    assert chosen[-30:] == [4] * 30
