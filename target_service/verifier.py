@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -63,6 +64,7 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
     (`VerifyRequest.lookup_acceptance`): the round is then played as one of those."""
     tokens, decoded, played, proposed, first = list(request.prefix_token_ids), [], [], [], None
     block, limit = request.lookup_k + 1, request.most_tokens
+    seconds, started = [], time.perf_counter()
     for r in range(request.rounds):
         k = min(request.lookup_k, limit - len(decoded) - 1)
         drafts = _lookup(lookup, request, tokens, k) if k > 0 else []
@@ -77,6 +79,8 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
         tokens += outcome.tokens
         played.append((len(verified), len(outcome.accepted_tokens)))
         proposed.append(len(drafts))
+        seconds.append(time.perf_counter() - started)
+        started += seconds[-1]
         if (
             len(decoded) >= limit
             or not request.stop_token_ids.isdisjoint(outcome.tokens)
@@ -87,7 +91,8 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
     rounds = tuple(played) if request.lookup_k else ()
     cut = tuple(proposed) if any(p > d for p, (d, _) in zip(proposed, played, strict=True)) else ()
     step = (result.step_sequences, result.step_rows)
-    return VerifyResult(laws, first.cached_tokens, None, *step, tuple(decoded), rounds, cut)
+    timed = tuple(seconds) if request.lookup_k else ()
+    return VerifyResult(laws, first.cached_tokens, None, *step, tuple(decoded), rounds, cut, timed)
 
 
 _NO_SAMPLING = Sampling()  # (a lookup draft's point masses read no sampling parameters)

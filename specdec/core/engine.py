@@ -11,8 +11,9 @@ timings, so the tokens may differ while their law stays the target's.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -228,13 +229,16 @@ def _lookup_rounds(
     """The rounds of a call the target drafted by lookup (`VerifyRequest.lookup_k`), as (tokens drafted,
     what the round emitted); ServiceError unless each drafted at most lookup_k, accepted at most what
     it drafted, proposed (where a shared step cut it) at least what it drafted and at most lookup_k,
-    their tokens add up, and the call took every round it could or ended on a stop token."""
+    timed (where reported) in finite seconds, their tokens add up, and the call took every round it
+    could or ended on a stop token."""
     tokens, rounds, proposed = list(result.decoded_token_ids), result.round_drafts, result.round_proposed
     fits = 1 <= len(rounds) <= request.rounds and all(0 <= a <= d <= request.lookup_k for d, a in rounds)
     if proposed:  # (a step verified fewer drafts than its lookup proposed: only under auto K)
         pairs = zip(rounds, proposed, strict=False)
         fits &= bool(request.lookup_acceptance) and len(proposed) == len(rounds)
         fits &= all(d <= p <= request.lookup_k for (d, _), p in pairs)
+    if seconds := result.round_seconds:
+        fits &= len(seconds) == len(rounds) and all(0.0 <= s < math.inf for s in seconds)
     if not fits or sum(a + 1 for _, a in rounds) != len(tokens) or len(tokens) > request.most_tokens:
         raise ServiceError(f"target returned rounds {list(rounds)} ({len(tokens)} tokens) for {request.rounds} rounds")
     played, start = [], 0
@@ -518,7 +522,8 @@ class SpeculativeEngine:
         event = RoundEvent(round_index + played - 1, new_tokens)
         if lookup_k:
             proposed = [r.round_proposed or tuple(d for d, _ in its) for r, its in zip(results, rounds, strict=True)]
-            return event, self._lookup_outcomes(spec, lookup_k, rounds, proposed, verify_s)
+            timed = [r.round_seconds for r in results]
+            return event, self._lookup_outcomes(spec, lookup_k, rounds, proposed, verify_s, timed)
         share = _step_share(requests, results)
         outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
         first = replace(outcome, k=asked_k, draft_s=draft_s)  # (the policy counts an empty ask's cost)
@@ -538,11 +543,16 @@ class SpeculativeEngine:
         rounds: list[list[tuple[int, RoundResult]]],
         proposed: list[tuple[int, ...]],
         verify_s: float,
+        timed: Sequence[tuple[float, ...]] = (),
     ) -> list[RoundOutcome]:
         """One outcome per round of a call the target drafted by lookup: its rows are 1 + its longest
-        draft verified, and its seconds the call's shared by the forward-cost curve at those rows
-        (rows alone without one). Priced as alone: the call's steps ran in company the policy cannot
-        apportion. `proposed`: per sample, each round's proposal (longer where a step cut it)."""
+        draft verified, and its seconds the call's shared by what each round took in the target
+        (`timed`: per sample, `VerifyResult.round_seconds`; the longest of the samples'), else by
+        the forward-cost curve at those rows (rows alone without one). The start-up curve prices a
+        row at a short context: at ~550 cached tokens a lone 9-row step cost 2.4x a 1-row one,
+        against 1.95x by that curve, and auto K read long drafts as cheaper than they were. Priced
+        as alone: the call's steps ran in company the policy cannot apportion. `proposed`: per
+        sample, each round's proposal (longer where a step cut it)."""
         played = max(len(r) for r in rounds)
         per_round = [
             [(its[j][0], len(its[j][1].accepted_tokens)) for its in rounds if j < len(its)] for j in range(played)
@@ -550,6 +560,9 @@ class SpeculativeEngine:
         lengths = [[p[j] for p, its in zip(proposed, rounds, strict=True) if j < len(its)] for j in range(played)]
         rows = [1 + max(d for d, _ in pairs) for pairs in per_round]
         weights = [curve_at(spec.verify_costs, r) if spec.verify_costs else float(r) for r in rows]
+        took = [[s[j] for s in timed if j < len(s)] for j in range(played)]
+        if all(took) and sum(max(t) for t in took) > 0:
+            weights = [max(t) for t in took]
         total = sum(weights)
         return [
             RoundOutcome(k, 0.0, verify_s * w / total, r, pairs, proposed=p)

@@ -127,6 +127,8 @@ class VerifyResult:
     round_drafts: tuple[tuple[int, int], ...] = ()
     # ... and per round what the lookup proposed, where a shared step verified fewer (empty: none did)
     round_proposed: tuple[int, ...] = ()
+    # ... and per round its seconds on the model's thread: lookup, step and play (empty: not reported)
+    round_seconds: tuple[float, ...] = ()
 
 
 class Drafter(Protocol):

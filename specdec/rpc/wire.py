@@ -219,6 +219,7 @@ def verify_response(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
                 round_drafted=[d for d, _ in r.round_drafts],
                 round_accepted=[a for _, a in r.round_drafts],
                 round_proposed=r.round_proposed,
+                round_seconds=r.round_seconds,
             )
             for r in results
         ]
@@ -245,11 +246,12 @@ def verify_results_from_proto(response: target_pb2.VerifyResponse) -> list[Verif
             step = (max(1, v.step_sequences), max(0, v.step_rows))
             if len(v.round_drafted) != len(v.round_accepted):
                 raise ValueError(f"{len(v.round_drafted)} round_drafted for {len(v.round_accepted)} round_accepted")
-            if v.round_proposed and len(v.round_proposed) != len(v.round_drafted):
-                raise ValueError(f"{len(v.round_proposed)} round_proposed for {len(v.round_drafted)} rounds")
+            for name in ("round_proposed", "round_seconds"):
+                if (values := getattr(v, name)) and len(values) != len(v.round_drafted):
+                    raise ValueError(f"{len(values)} {name} for {len(v.round_drafted)} rounds")
             rounds = tuple(zip(v.round_drafted, v.round_accepted, strict=True))
-            proposed = tuple(v.round_proposed)
-            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded, rounds, proposed))
+            per_round = (tuple(v.round_proposed), tuple(v.round_seconds))
+            results.append(VerifyResult(_NO_LAWS, v.cached_tokens, None, *step, decoded, rounds, *per_round))
             continue
         laws = decode_probs(v.target_probs)
         if laws.ndim != 2 or laws.shape[0] < 1 or laws.shape[1] < 1:

@@ -841,9 +841,9 @@ def test_auto_k_sends_its_acceptance_and_reads_the_rounds_a_shared_step_cut(tiny
     assert policy.reached[1] > 0 and policy.accepted[1] == 0
 
 
-def _lookup_target(rounds, tokens):
-    """A target that answers lookup calls with `rounds` and `tokens`, the prompt's (one round) with a
-    decode step of token 1."""
+def _lookup_target(rounds, tokens, seconds=()):
+    """A target that answers lookup calls with `rounds` and `tokens` (and `seconds`: their
+    round_seconds), the prompt's (one round) with a decode step of token 1."""
 
     class Rounds(FakeVerifier):
         def verify(self, requests, sampling, deadline):
@@ -851,7 +851,7 @@ def _lookup_target(rounds, tokens):
             return [
                 VerifyResult(no_laws, decoded_token_ids=(1,), round_drafts=((0, 0),))
                 if r.rounds == 1
-                else VerifyResult(no_laws, decoded_token_ids=tokens, round_drafts=rounds)
+                else VerifyResult(no_laws, decoded_token_ids=tokens, round_drafts=rounds, round_seconds=seconds)
                 for r in requests
             ]
 
@@ -920,6 +920,38 @@ def test_the_policy_sees_each_lookup_round_with_its_rows_and_a_share_of_the_call
     assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(2.0)  # the curve at 3 rows against 1
 
 
+def test_a_call_is_shared_among_its_lookup_rounds_by_their_seconds_in_the_target(monkeypatch):
+    """Where the target timed its rounds (`round_seconds`), the call's seconds go by them, not by the
+    start-up curve (which read 3 rows as 2x one here; the rounds took 3x)."""
+    seen = []
+    real = FixedK.observe
+    monkeypatch.setattr(FixedK, "observe", lambda self, outcome: seen.append(outcome) or real(self, outcome))
+    rounds, tokens = ((2, 2), (0, 0), (2, 0)), (4, 4, 4, 5, 6)
+    target = _lookup_target(rounds, tokens, seconds=(0.006, 0.002, 0.006))
+    _run(None, target, num_speculative_tokens=3, max_new_tokens=6, decode_steps=3,
+         target_lookup=True, sampling=Sampling(0.0), verify_costs=(1.0, 1.5, 2.0, 2.5))
+    lookup = seen[1:4]
+    assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(3.0)
+    assert lookup[2].verify_s == pytest.approx(lookup[0].verify_s)
+
+
+@pytest.mark.parametrize(
+    "seconds, ok",
+    [((), True), ((0.004, 0.001), True), ((0.0, 0.0), True), ((0.004,), False), ((0.004, -0.001), False),
+     ((0.004, float("inf")), False), ((0.004, float("nan")), False)],
+)
+def test_round_seconds_are_one_finite_time_a_round(seconds, ok):
+    spec = GenerationSpec([1, 2, 3], 12, Sampling(0.0), 5, 3)
+    request = VerifyRequest("k", [1, 2, 3], [], decode_uniforms=(0.5,) * 8, lookup_k=3)
+    rounds = dict(decoded_token_ids=(4, 4, 4, 5), round_drafts=((2, 2), (0, 0)), round_seconds=seconds)
+    result = VerifyResult(np.empty((0, 0), np.float32), **rounds)
+    if ok:
+        assert [drafted for drafted, _ in _lookup_rounds(spec, result, request)] == [2, 0]
+    else:
+        with pytest.raises(ServiceError, match="target returned rounds"):
+            _lookup_rounds(spec, result, request)
+
+
 def test_rounds_the_target_drafted_leave_the_engines_decode_record_alone(tiny_loaded):
     """Their one-row rounds are shares of a call, not Verifies of their own: what the DecodeRecord
     compares decode steps against."""
@@ -930,6 +962,17 @@ def test_rounds_the_target_drafted_leave_the_engines_decode_record_alone(tiny_lo
     stats = Stats()
     list(engine.run(spec, new_samples(spec), stats, NO_DEADLINE))
     assert stats.drafted_tokens and engine.decode_record.ratio is None
+
+
+def test_the_target_times_each_round_it_drafts_and_no_decode_step(tiny_loaded):
+    verifier = LocalVerifier(tiny_loaded["target"].runner, _ngram_drafter())
+    drafting = VerifyRequest("timed", [1, 2, 3, 1, 2, 3, 1, 2], [], decode_uniforms=(0.5,) * 16, lookup_k=3)
+    decoding = VerifyRequest("untimed", [1, 2, 3], [], decode_uniforms=(0.5,) * 4)
+    started = time.perf_counter()
+    timed, untimed = verifier.verify([drafting, decoding], Sampling(0.0), NO_DEADLINE)
+    assert len(timed.round_seconds) == len(timed.round_drafts) == 4 and min(timed.round_seconds) > 0
+    assert sum(timed.round_seconds) <= time.perf_counter() - started  # each round's own time, in turn
+    assert untimed.round_seconds == ()
 
 
 def test_the_target_indexes_a_drafting_prefix_on_the_calling_thread_before_its_rounds(tiny_loaded):

@@ -352,6 +352,14 @@ def test_lookup_rounds_come_back_with_their_counts_and_a_mismatch_is_refused():
     message.verifications[0].round_proposed.append(2)
     with pytest.raises(ValueError, match="round_proposed"):
         wire.verify_results_from_proto(message)
+    # Each round's seconds in the target: one per round, or none.
+    timed = [VerifyResult(no_laws, 3, decoded_token_ids=(4, 5), round_drafts=((1, 1),), round_seconds=(0.25,))]
+    message = _over_the_wire(wire.verify_response(timed))
+    (back,) = wire.verify_results_from_proto(message)
+    assert back.round_seconds == (0.25,) and back.round_proposed == ()
+    message.verifications[0].round_seconds.append(0.5)
+    with pytest.raises(ValueError, match="round_seconds"):
+        wire.verify_results_from_proto(message)
 
 
 def test_verify_results_round_trip_with_and_without_hidden_states():
