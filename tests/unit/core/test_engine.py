@@ -885,20 +885,28 @@ def test_a_target_whose_lookup_rounds_do_not_add_up_is_a_clear_error(rounds, tok
 
 
 @pytest.mark.parametrize(
-    "proposed, acceptance, ok",
+    "proposed, acceptance, seconds, ok",
     [
-        ((3, 0), (0.5,) * 3, True),  # the first round's 3 proposed, 2 verified
-        ((3, 0), (), False),  # an explicit K's rounds are never cut
-        ((1, 0), (0.5,) * 3, False),  # fewer proposed than verified
-        ((4, 0), (0.5,) * 3, False),  # more than K
-        ((3,), (0.5,) * 3, False),  # not one a round
+        ((3, 0), (0.5,) * 3, (), True),  # the first round's 3 proposed, 2 verified
+        ((3, 0), (), (), False),  # an explicit K's rounds are never cut
+        ((1, 0), (0.5,) * 3, (), False),  # fewer proposed than verified
+        ((4, 0), (0.5,) * 3, (), False),  # more than K
+        ((3,), (0.5,) * 3, (), False),  # not one a round
+        ((), (), (0.004, 0.001), True),  # each round's seconds in the target
+        ((), (), (0.0, 0.0), True),
+        ((), (), (0.004,), False),  # not one a round
+        ((), (), (0.004, -0.001), False),
+        ((), (), (0.004, float("inf")), False),
+        ((), (), (0.004, float("nan")), False),
     ],
 )
-def test_rounds_a_shared_step_cut_are_read_only_under_auto_k_and_within_k(proposed, acceptance, ok):
+def test_what_a_lookup_call_reports_of_its_rounds_is_checked(proposed, acceptance, seconds, ok):
+    """What a shared step cut (`round_proposed`: only under auto K, within K) and each round's
+    seconds (`round_seconds`: finite, one a round)."""
     spec = GenerationSpec([1, 2, 3], 12, Sampling(0.0), 5, 3)
     request = VerifyRequest("k", [1, 2, 3], [], decode_uniforms=(0.5,) * 8, lookup_k=3, lookup_acceptance=acceptance)
-    rounds = dict(decoded_token_ids=(4, 4, 4, 5), round_drafts=((2, 2), (0, 0)), round_proposed=proposed)
-    result = VerifyResult(np.empty((0, 0), np.float32), **rounds)
+    rounds = dict(decoded_token_ids=(4, 4, 4, 5), round_drafts=((2, 2), (0, 0)))
+    result = VerifyResult(np.empty((0, 0), np.float32), **rounds, round_proposed=proposed, round_seconds=seconds)
     if ok:
         assert [drafted for drafted, _ in _lookup_rounds(spec, result, request)] == [2, 0]
     else:
@@ -906,50 +914,26 @@ def test_rounds_a_shared_step_cut_are_read_only_under_auto_k_and_within_k(propos
             _lookup_rounds(spec, result, request)
 
 
-def test_the_policy_sees_each_lookup_round_with_its_rows_and_a_share_of_the_call(monkeypatch):
+@pytest.mark.parametrize(
+    "seconds, ratio",
+    [
+        ((), 2.0),  # by the start-up curve: 3 rows against 1
+        ((0.006, 0.002, 0.006), 3.0),  # by each round's seconds in the target (`round_seconds`)
+    ],
+)
+def test_the_policy_sees_each_lookup_round_with_its_rows_and_a_share_of_the_call(monkeypatch, seconds, ratio):
     seen = []
     real = FixedK.observe
     monkeypatch.setattr(FixedK, "observe", lambda self, outcome: seen.append(outcome) or real(self, outcome))
     rounds, tokens = ((2, 2), (0, 0), (2, 0)), (4, 4, 4, 5, 6)
-    _run(None, _lookup_target(rounds, tokens), num_speculative_tokens=3, max_new_tokens=6, decode_steps=3,
+    _run(None, _lookup_target(rounds, tokens, seconds), num_speculative_tokens=3, max_new_tokens=6, decode_steps=3,
          target_lookup=True, sampling=Sampling(0.0), verify_costs=(1.0, 1.5, 2.0, 2.5))
     lookup = seen[1:4]  # (round 0: the prompt's call, one round)
     assert [(o.k, o.rows, list(o.drafts), o.draft_s, o.decoded) for o in lookup] == [
         (3, 3, [(2, 2)], 0.0, False), (3, 1, [(0, 0)], 0.0, False), (3, 3, [(2, 0)], 0.0, False)
     ]
-    assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(2.0)  # the curve at 3 rows against 1
-
-
-def test_a_call_is_shared_among_its_lookup_rounds_by_their_seconds_in_the_target(monkeypatch):
-    """Where the target timed its rounds (`round_seconds`), the call's seconds go by them, not by the
-    start-up curve (which read 3 rows as 2x one here; the rounds took 3x)."""
-    seen = []
-    real = FixedK.observe
-    monkeypatch.setattr(FixedK, "observe", lambda self, outcome: seen.append(outcome) or real(self, outcome))
-    rounds, tokens = ((2, 2), (0, 0), (2, 0)), (4, 4, 4, 5, 6)
-    target = _lookup_target(rounds, tokens, seconds=(0.006, 0.002, 0.006))
-    _run(None, target, num_speculative_tokens=3, max_new_tokens=6, decode_steps=3,
-         target_lookup=True, sampling=Sampling(0.0), verify_costs=(1.0, 1.5, 2.0, 2.5))
-    lookup = seen[1:4]
-    assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(3.0)
+    assert lookup[0].verify_s / lookup[1].verify_s == pytest.approx(ratio)
     assert lookup[2].verify_s == pytest.approx(lookup[0].verify_s)
-
-
-@pytest.mark.parametrize(
-    "seconds, ok",
-    [((), True), ((0.004, 0.001), True), ((0.0, 0.0), True), ((0.004,), False), ((0.004, -0.001), False),
-     ((0.004, float("inf")), False), ((0.004, float("nan")), False)],
-)
-def test_round_seconds_are_one_finite_time_a_round(seconds, ok):
-    spec = GenerationSpec([1, 2, 3], 12, Sampling(0.0), 5, 3)
-    request = VerifyRequest("k", [1, 2, 3], [], decode_uniforms=(0.5,) * 8, lookup_k=3)
-    rounds = dict(decoded_token_ids=(4, 4, 4, 5), round_drafts=((2, 2), (0, 0)), round_seconds=seconds)
-    result = VerifyResult(np.empty((0, 0), np.float32), **rounds)
-    if ok:
-        assert [drafted for drafted, _ in _lookup_rounds(spec, result, request)] == [2, 0]
-    else:
-        with pytest.raises(ServiceError, match="target returned rounds"):
-            _lookup_rounds(spec, result, request)
 
 
 def test_rounds_the_target_drafted_leave_the_engines_decode_record_alone(tiny_loaded):
