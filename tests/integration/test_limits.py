@@ -243,6 +243,7 @@ def test_a_target_with_a_lookup_plays_drafted_rounds_and_refuses_those_it_cannot
             weighed = _verify(cache_key="lookup-auto", **auto)
             (done,) = target.Verify(weighed, timeout=30).verifications
             assert done.decoded_token_ids and len(done.round_proposed) in (0, len(done.round_drafted))
+            assert len(done.round_seconds) == len(done.round_drafted) and min(done.round_seconds) > 0
     finally:
         server.server.stop(0).wait(10)
 
