@@ -356,7 +356,6 @@ class AdaptiveK:
         self.lookup_only = draft_lookup and not model_pays
         self.offered = [0] * (k_max + 1)  # [i]: drafts examined at position i (1-based)
         self.accepted = [0] * (k_max + 1)
-        self.short = [0] * (k_max + 1)  # [i]: of the offered, drafts that stopped before i
         self.asked_at = [0] * (k_max + 1)  # [i]: sequences asked for a draft of at least i tokens
         self.reached = [0] * (k_max + 1)  # [i]: of which the drafter proposed at least i
         self.draft_s = 0.0  # seconds of the Proposes that drafted tokens (rounds after the first)
@@ -379,22 +378,14 @@ class AdaptiveK:
 
     # ------------------------------------------------------------ the model
 
-    def acceptance(self) -> list[float]:
-        """[a_1..a_kmax]: acceptance at each position, given the ones before it were accepted."""
-        rates, prior = [], self.prior_acceptance
-        for i in range(1, self.k_max + 1):
-            prior = (self.accepted[i] + self.prior_weight * prior) / (self.offered[i] + self.prior_weight)
-            rates.append(prior)
-        return rates
-
     def draft_acceptance(self, k: int) -> tuple[float, ...]:
-        """(c_1..c_k): acceptance at each position where a draft reaches it (as `acceptance`, leaving
-        out the drafts that stopped before it): what a drafted row there yields, for a target that
-        verifies in a shared step only the rows worth their cost (`VerifyRequest.lookup_acceptance`)."""
+        """(c_1..c_k): acceptance at each position where a draft reaches it, given the ones before it
+        were accepted, each leaning on the one before under a weak prior: what a drafted row there
+        yields (`expected_tokens`; a target that verifies in a shared step only the rows worth their
+        cost, `VerifyRequest.lookup_acceptance`)."""
         rates, prior = [], self.prior_acceptance
         for i in range(1, k + 1):
-            examined = self.offered[i] - self.short[i]
-            prior = (self.accepted[i] + self.prior_weight * prior) / (examined + self.prior_weight)
+            prior = (self.accepted[i] + self.prior_weight * prior) / (self.offered[i] + self.prior_weight)
             rates.append(prior)
         return tuple(rates)
 
@@ -407,16 +398,17 @@ class AdaptiveK:
             rates.append(prior)
         return rates
 
-    def expected_tokens(self) -> list[float]:
+    def expected_tokens(self, reach: Sequence[float] | None = None) -> list[float]:
         """[K = 0..k_max]: a round's expected tokens when it asks for K: 1 + sum over i <= K of
-        P_i c_1 ... c_i, the i-th draft emitted where the draft reaches i (`reach`) and it and every
-        draft before it are accepted (`draft_acceptance`). Close to chaining a_i (`acceptance`) once
-        data come in, but a position few drafts have reached leans on c_{i-1} and P_{i-1}, not on
-        a_{i-1}: a lookup that proposes at a quarter of its rounds, and whose proposals copy on for
-        several tokens once they start, would otherwise look a quarter as good at every depth (on
-        document QA at T = 0 auto K then asked for 1-2 tokens for a whole answer)."""
+        P_i c_1 ... c_i, the i-th draft emitted where the draft reaches i (`reach`, or as given) and
+        it and every draft before it are accepted (`draft_acceptance`). A draft that stopped short
+        is not a rejection at every depth: chaining one acceptance that counted such stops as
+        rejections, a position few drafts had reached leaned on the first position's, and a lookup
+        that proposes at a quarter of its rounds but copies on once it starts looked a quarter as
+        good at every depth (on document QA at T = 0 auto K then asked for 1-2 tokens for a whole
+        answer)."""
         expected, run = [1.0], 1.0
-        for reach, rate in zip(self.reach()[1:], self.draft_acceptance(self.k_max), strict=True):
+        for reach, rate in zip((self.reach() if reach is None else reach)[1:], self.draft_acceptance(self.k_max), strict=True):
             run *= rate
             expected.append(expected[-1] + reach * run)
         return expected
@@ -510,7 +502,8 @@ class AdaptiveK:
         rows lengthen their step). Alone, that is this request's own speed; in a batch, drafting
         pays only if its gain beats what its extra rows cost the whole step."""
         per_ask, per_token = self.draft_cost()
-        reach, expected = self.reach(), self.expected_tokens()
+        reach = self.reach()
+        expected = self.expected_tokens(reach)
         others = self.others
         if self._in_company() and self.others >= 1:  # the others draft too: as this request accepts
             mean_k = min(float(self.k_max), max(0.0, self.others_rows / self.others - 1))
@@ -581,13 +574,9 @@ class AdaptiveK:
                 self.offered[i] += 1
                 self.accepted[i] += i <= accepted
             # A draft that stopped short of the K asked for (a model-free drafter without a confident
-            # match proposes fewer, often none) gained nothing past its end: for what asking for K
-            # yields, a rejection there. Else a drafter that never proposes keeps the prior's
-            # acceptance, and every round pays its Propose for nothing. (Not a draft the target's
-            # step cut: its drafts past the cut were never examined.)
-            if accepted == drafted == proposed < asked:
-                self.offered[drafted + 1] += 1
-                self.short[drafted + 1] += 1
+            # match proposes fewer, often none) gained nothing past its end: `reach` counts it, so a
+            # drafter that never proposes is not asked round after round. (Not a draft the target's
+            # step cut: its lookup did reach past the cut.)
             for i in range(1, asked + 1):
                 self.asked_at[i] += 1
                 self.reached[i] += proposed >= i

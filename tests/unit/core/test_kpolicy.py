@@ -104,7 +104,7 @@ def test_acceptance_per_position_counts_only_examined_drafts():
     policy = AdaptiveK(3, prior_weight=0.0)
     policy.observe(RoundOutcome(3, 0.0, 0.0, 4, [(3, 1), (3, 3), (2, 0)]))
     assert policy.offered[1:] == [3, 2, 1] and policy.accepted[1:] == [2, 1, 1]
-    assert policy.acceptance() == pytest.approx([2 / 3, 1 / 2, 1.0])
+    assert policy.draft_acceptance(3) == pytest.approx([2 / 3, 1 / 2, 1.0])
 
 
 def test_a_drafter_that_proposes_nothing_is_asked_only_when_probing():
@@ -120,15 +120,16 @@ def test_a_drafter_that_proposes_nothing_is_asked_only_when_probing():
     assert later.count(0) >= len(later) - 5 and set(later) <= {0, 1}  # K = 1 only as a probe
     short = AdaptiveK(4, prior_weight=0.0)
     short.observe(RoundOutcome(4, 0.0, 0.0, 3, [(2, 2), (4, 4), (1, 0)]))  # the first stopped after 2
-    assert short.offered[1:] == [3, 2, 2, 1] and short.accepted[1:] == [2, 2, 1, 1]
+    assert short.offered[1:] == [3, 2, 1, 1] and short.accepted[1:] == [2, 2, 1, 1]
+    assert short.reached[1:] == [3, 2, 1, 1] and short.asked_at[1:] == [3, 3, 3, 3]
 
 
 def test_acceptance_where_a_draft_reaches_leaves_out_the_drafts_that_stopped_before():
-    """c_i (what the target weighs a drafted row by, `VerifyRequest.lookup_acceptance`): as a_i, but
-    a draft that stopped short of position i is not a rejection there; an explicit K sends none."""
+    """c_i (what the target weighs a drafted row by, `VerifyRequest.lookup_acceptance`): a draft that
+    stopped short of position i is not a rejection there (`reach` counts it); an explicit K sends none."""
     policy = AdaptiveK(4, prior_weight=0.0)
     policy.observe(RoundOutcome(4, 0.0, 0.0, 3, [(2, 2), (4, 4), (1, 0), (0, 0)]))
-    assert policy.acceptance() == pytest.approx([2 / 4, 2 / 2, 1 / 2, 1.0])  # (stops count as rejections)
+    assert policy.reach()[1:] == pytest.approx([3 / 4, 2 / 4, 1 / 4, 1 / 4])
     assert policy.draft_acceptance(4) == pytest.approx([2 / 3, 2 / 2, 1 / 1, 1 / 1])
     assert policy.draft_acceptance(2) == pytest.approx([2 / 3, 1.0])
     assert AdaptiveK(3).draft_acceptance(3) == pytest.approx([0.5] * 3)  # the prior
@@ -142,7 +143,7 @@ def test_drafts_a_shared_step_cut_are_neither_rejections_nor_short_proposals():
     cut.observe(RoundOutcome(4, 0.0, 0.0, 2, [(1, 1)], proposed=[3]))
     whole.observe(RoundOutcome(4, 0.0, 0.0, 2, [(1, 1)]))
     assert cut.offered[1:] == [1, 0, 0, 0] and cut.reached[1:] == [1, 1, 1, 0]
-    assert whole.offered[1:] == [1, 1, 0, 0] and whole.reached[1:] == [1, 0, 0, 0]
+    assert whole.offered[1:] == [1, 0, 0, 0] and whole.reached[1:] == [1, 0, 0, 0]
 
 
 def test_rounds_without_a_proposal_cost_a_one_row_verify_not_k_plus_one_rows():
@@ -526,12 +527,11 @@ def test_an_empty_ask_played_as_decode_steps_is_priced_as_one():
 def test_expected_tokens_chain_what_a_draft_reaches_and_what_is_accepted_there():
     """1 + sum P_i c_1..c_i: a lookup proposed at 2 of 8 asks for 1 token, both accepted. Deeper
     positions, never asked, lean on P_1 and c_1 (0.4 and 0.75 under the prior of weight 2), not on
-    a_1 = 0.3, which counts the 6 empty asks as rejections and would price every depth so."""
+    the 0.3 that counting the 6 empty asks as rejections at position 1 would give every depth."""
     policy = AdaptiveK(3)
     for n in range(8):
         drafted = 1 if n < 2 else 0
         policy.observe(RoundOutcome(1, 0.0, 0.01, 1 + drafted, [(drafted, drafted)]))
-    assert policy.acceptance()[0] == pytest.approx(0.3)
     assert policy.reach()[1:] == pytest.approx([0.4, 0.4, 0.4])
     assert policy.draft_acceptance(3) == pytest.approx([0.75, 0.75, 0.75])
     assert policy.expected_tokens() == pytest.approx([1, 1.3, 1.3 + 0.4 * 0.75**2, 1.3 + 0.4 * (0.75**2 + 0.75**3)])
