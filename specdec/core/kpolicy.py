@@ -407,10 +407,11 @@ class AdaptiveK:
         that proposes at a quarter of its rounds but copies on once it starts looked a quarter as
         good at every depth (on document QA at T = 0 auto K then asked for 1-2 tokens for a whole
         answer)."""
+        reaches = self.reach() if reach is None else reach
         expected, run = [1.0], 1.0
-        for reach, rate in zip((self.reach() if reach is None else reach)[1:], self.draft_acceptance(self.k_max), strict=True):
+        for p, rate in zip(reaches[1:], self.draft_acceptance(self.k_max), strict=True):
             run *= rate
-            expected.append(expected[-1] + reach * run)
+            expected.append(expected[-1] + p * run)
         return expected
 
     def verify_cost(self, rows: int, measured: dict[int, float] | None = None) -> float:
