@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -521,9 +521,7 @@ class SpeculativeEngine:
             new_tokens[sample.index] = self._append(spec, sample, tokens)
         event = RoundEvent(round_index + played - 1, new_tokens)
         if lookup_k:
-            proposed = [r.round_proposed or tuple(d for d, _ in its) for r, its in zip(results, rounds, strict=True)]
-            timed = [r.round_seconds for r in results]
-            return event, self._lookup_outcomes(spec, lookup_k, rounds, proposed, verify_s, timed)
+            return event, self._lookup_outcomes(spec, lookup_k, rounds, results, verify_s)
         share = _step_share(requests, results)
         outcome = RoundOutcome(0, 0.0, verify_s / played, 1, [(0, 0)] * len(running), *share, decoded=True)
         first = replace(outcome, k=asked_k, draft_s=draft_s)  # (the policy counts an empty ask's cost)
@@ -541,26 +539,26 @@ class SpeculativeEngine:
         spec: GenerationSpec,
         k: int,
         rounds: list[list[tuple[int, RoundResult]]],
-        proposed: list[tuple[int, ...]],
+        results: list[VerifyResult],
         verify_s: float,
-        timed: Sequence[tuple[float, ...]] = (),
     ) -> list[RoundOutcome]:
-        """One outcome per round of a call the target drafted by lookup: its rows are 1 + its longest
-        draft verified, and its seconds the call's shared by what each round took in the target
-        (`timed`: per sample, `VerifyResult.round_seconds`; the longest of the samples'), else by
+        """One outcome per round of a call the target drafted by lookup (`rounds`: per sample, read
+        from its `results`): its rows are 1 + its longest draft verified, what each sample's lookup
+        proposed (longer where a step cut it: `round_proposed`), and its seconds the call's shared by
+        what each round took in the target (`round_seconds`, the longest of the samples'), else by
         the forward-cost curve at those rows (rows alone without one). The start-up curve prices a
         row at a short context: at ~550 cached tokens a lone 9-row step cost 2.4x a 1-row one,
         against 1.95x by that curve, and auto K read long drafts as cheaper than they were. Priced
-        as alone: the call's steps ran in company the policy cannot apportion. `proposed`: per
-        sample, each round's proposal (longer where a step cut it)."""
+        as alone: the call's steps ran in company the policy cannot apportion."""
         played = max(len(r) for r in rounds)
         per_round = [
             [(its[j][0], len(its[j][1].accepted_tokens)) for its in rounds if j < len(its)] for j in range(played)
         ]
+        proposed = [r.round_proposed or tuple(d for d, _ in its) for r, its in zip(results, rounds, strict=True)]
         lengths = [[p[j] for p, its in zip(proposed, rounds, strict=True) if j < len(its)] for j in range(played)]
         rows = [1 + max(d for d, _ in pairs) for pairs in per_round]
         weights = [curve_at(spec.verify_costs, r) if spec.verify_costs else float(r) for r in rows]
-        took = [[s[j] for s in timed if j < len(s)] for j in range(played)]
+        took = [[r.round_seconds[j] for r in results if j < len(r.round_seconds)] for j in range(played)]
         if all(took) and sum(max(t) for t in took) > 0:
             weights = [max(t) for t in took]
         total = sum(weights)
