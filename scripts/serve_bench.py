@@ -57,6 +57,11 @@ deleted (HTTP has no call for it): they expire with the coordinator's SESSION_TT
 
 Per row (one K at one load level, pooled over --repeats):
   aggregate tok/s     tokens received by all streams / wall time of the level (first send to last end)
+  steady tok/s        (closed loops) tokens received from when every stream had its first token (the
+                      opening wave of prompts, all sent at once, is over) until the first stream found no
+                      request left, over that time; the x base beside it is its ratio to the first level's.
+                      The aggregate also counts that wave and the tail (streams finishing alone, in ever
+                      smaller batches). "-" where there was no such stretch (one request a stream)
   per-stream tok/s    mean over requests of its tokens / its own wall time (what one user sees)
   req/s               completed requests / wall time of the level
   TTFT                send -> first chunk carrying a token (queueing and the prompt's forward included)
@@ -170,6 +175,8 @@ class RequestResult:
     accepted: int = 0
     session_id: str = ""
     error: str = ""
+    sent_s: float = 0.0  # when it was sent (time.perf_counter)
+    arrivals: tuple[tuple[float, int], ...] = ()  # (seconds since sent, tokens) of each token-bearing chunk
 
 
 @dataclass(frozen=True)
@@ -201,12 +208,25 @@ class LevelRun:
 
     results: list[RequestResult]
     seconds: float
+    # A closed loop's steady state, (from, until) in time.perf_counter: from when every stream had the
+    # first token of its first request (the opening wave of prompts, all sent at once, is over) until
+    # the first stream found no request left to start (None: an open loop, or no such stretch).
+    steady: tuple[float, float] | None = None
     repeated_prompts: int = 0  # requests whose prompt an earlier level or repeat had sent
     draft_knew: int = 0  # drafting requests whose prompt a drafting run had sent before (any K)
 
     @property
     def tokens(self) -> int:
         return sum(r.tokens for r in self.results if not r.error)
+
+    def tokens_in_steady_state(self) -> int | None:
+        """Tokens that arrived in the steady state (`steady`), or None. The level's aggregate also
+        counts its opening wave of prompts and its tail (streams finishing alone, in ever smaller
+        batches); the steady state is what N streams sustain."""
+        if self.steady is None:
+            return None
+        start, end = self.steady
+        return sum(n for r in self.results if not r.error for t, n in r.arrivals if start <= r.sent_s + t <= end)
 
 
 def _ms(value: float | None) -> float | None:
@@ -223,6 +243,10 @@ def aggregate(k, load: Load, runs: list[LevelRun]) -> dict:
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for r in ok for x in r.itl_s]
     streams = [r.tokens / r.latency_s for r in ok if r.latency_s > 0]
+    # Closed loops: the tokens and seconds of the steady state (`LevelRun.tokens_in_steady_state`).
+    steady = [run.tokens_in_steady_state() for run in runs]
+    steady = steady if all(n is not None for n in steady) else []
+    steady_s = sum(run.steady[1] - run.steady[0] for run in runs) if steady else 0.0
     row = {
         "type": "row",
         "k": k,
@@ -240,6 +264,8 @@ def aggregate(k, load: Load, runs: list[LevelRun]) -> dict:
         "seconds": seconds,
         "aggregate_tokens_per_s": tokens / seconds if seconds else 0.0,
         "aggregate_tokens_per_s_runs": [run.tokens / run.seconds if run.seconds else 0.0 for run in runs],
+        "steady_seconds": steady_s if steady else None,
+        "steady_tokens_per_s": sum(steady) / steady_s if steady and steady_s else None,
         "per_stream_tokens_per_s": sum(streams) / len(streams) if streams else None,
         "request_throughput": len(ok) / seconds if seconds else 0.0,
         "acceptance_rate": sum(r.accepted for r in ok) / drafted if drafted else None,
@@ -258,7 +284,8 @@ def _ratio(a: float, b: float) -> float | None:
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Each row gets the ratio of its aggregate tok/s to the first level's at the same K (pooled, and
-    the range of the per-repeat ratios) and to K = 0's at the same level. Rows in level order."""
+    the range of the per-repeat ratios), the same of its steady-state tok/s (closed loops), and the
+    ratio to K = 0's at the same level. Rows in level order."""
     base_of = {}
     for r in rows:
         base_of.setdefault(r["k"], r)
@@ -274,6 +301,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_base"] = _ratio(r["aggregate_tokens_per_s"], base["aggregate_tokens_per_s"])
         r["ratio_vs_base_min"] = min(per_repeat) if per_repeat else None
         r["ratio_vs_base_max"] = max(per_repeat) if per_repeat else None
+        steady, steady_base = r.get("steady_tokens_per_s"), base.get("steady_tokens_per_s")
+        r["steady_ratio_vs_base"] = _ratio(steady, steady_base) if steady is not None and steady_base else None
         same_level = k0.get(r["load"])
         r["ratio_vs_k0"] = (
             _ratio(r["aggregate_tokens_per_s"], same_level["aggregate_tokens_per_s"]) if same_level else None
@@ -304,8 +333,9 @@ def _pct(r: dict, name: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        f"  {'load':<12} {'K':<5} {'reqs':>4} {'err':>3} {'agg tok/s':>9} {'x base':>16} {'vs K=0':>6}"
-        f" {'stream':>6} {'req/s':>5}  {'TTFT ms p50/90/99':>18}  {'ITL ms p50/90/99':>17}  {'accept':>6} {'tok/rnd':>7}"
+        f"  {'load':<12} {'K':<5} {'reqs':>4} {'err':>3} {'agg tok/s':>9} {'x base':>16} {'steady tok/s':>12}"
+        f" {'x base':>6} {'vs K=0':>6} {'stream':>6} {'req/s':>5}  {'TTFT ms p50/90/99':>18}  {'ITL ms p50/90/99':>17}"
+        f"  {'accept':>6} {'tok/rnd':>7}"
     )
     lines = [header]
     for r in rows:
@@ -314,11 +344,16 @@ def format_table(rows: list[dict]) -> str:
             spread = f" ({r['ratio_vs_base_min']:.2f}-{r['ratio_vs_base_max']:.2f})"
         lines.append(
             f"  {r['load']:<12} {r['k']!s:<5} {r['requests']:>4} {r['errors']:>3} {r['aggregate_tokens_per_s']:>9.2f} "
-            f"{_fmt(r['ratio_vs_base'], '.2f', 'x') + spread:>16} {_fmt(r['ratio_vs_k0'], '.2f', 'x'):>6} "
+            f"{_fmt(r['ratio_vs_base'], '.2f', 'x') + spread:>16} {_fmt(r['steady_tokens_per_s'], '.2f'):>12} "
+            f"{_fmt(r['steady_ratio_vs_base'], '.2f', 'x'):>6} {_fmt(r['ratio_vs_k0'], '.2f', 'x'):>6} "
             f"{_fmt(r['per_stream_tokens_per_s'], '.2f'):>6} {r['request_throughput']:>5.2f}  {_pct(r, 'ttft'):>18}  "
             f"{_pct(r, 'itl'):>17}  {_fmt(r['acceptance_rate'], '.3f'):>6} {_fmt(r['tokens_per_round'], '.2f'):>7}"
         )
     lines.append("  x base: aggregate tok/s / the first level's at the same K (range: lowest-highest per repeat)")
+    lines.append(
+        "  steady tok/s: a closed loop, from every stream's first token until the first"
+        " ran out of requests (the aggregate also counts the opening wave of prompts and the tail)"
+    )
     if repeated := sum(r["repeated_prompts"] for r in rows):
         lines.append(
             f"  {repeated} requests repeated a prompt sent earlier at their K (a suffix draft may know its answer)"
@@ -363,6 +398,8 @@ def stream_one(client, prompt: str, **kwargs) -> RequestResult:
         stats.drafted_tokens if stats else 0,
         stats.accepted_tokens if stats else 0,
         session,
+        sent_s=started,
+        arrivals=tuple(arrivals),
     )
 
 
@@ -451,11 +488,12 @@ class OpenAIEndpoint:
             stats = event.get("specdec") or stats
         latency = time.perf_counter() - started
         counts = apportion(tokens, [n for _, n in arrivals])
-        ttft, itls = chunk_latencies([(t, n) for (t, _), n in zip(arrivals, counts, strict=True) if n])
+        chunks = tuple((t, n) for (t, _), n in zip(arrivals, counts, strict=True) if n)
+        ttft, itls = chunk_latencies(chunks)
         get = stats.get
         return RequestResult(
             latency, ttft, tuple(itls), tokens, get("rounds", 0), get("drafted_tokens", 0),
-            get("accepted_tokens", 0), get("session_id", ""),
+            get("accepted_tokens", 0), get("session_id", ""), sent_s=started, arrivals=chunks,
         )  # fmt: skip
 
     def delete_session(self, session_id: str) -> None:
@@ -475,23 +513,30 @@ def run_closed_loop(send: Send, concurrency: int, requests: int | None, duration
     if requests is None and duration_s is None:
         raise ValueError("a closed loop needs a request count or a duration")
     counter, lock, results = itertools.count(), threading.Lock(), []
+    first_tokens, idle = [], []  # per stream: its first request's first token; when it ran out of work
     started = time.perf_counter()
 
     def stream() -> None:
+        first = True
         while True:
             with lock:
                 i = next(counter)
             if (requests is not None and i >= requests) or (
                 duration_s is not None and time.perf_counter() - started >= duration_s
             ):
+                idle.append(time.perf_counter())
                 return
             result = send(i)
             results.append(result)  # list.append is atomic
+            if first:
+                first_tokens.append(result.sent_s + result.ttft_s if result.ttft_s is not None else time.perf_counter())
+                first = False
             if result.error:
                 time.sleep(ERROR_PAUSE_S)  # a refused stream must not spin
 
     _join([threading.Thread(target=stream, daemon=True) for _ in range(concurrency)])
-    return LevelRun(results, time.perf_counter() - started)
+    steady = (max(first_tokens), min(idle)) if len(first_tokens) == concurrency else None
+    return LevelRun(results, time.perf_counter() - started, steady if steady and steady[0] < steady[1] else None)
 
 
 def run_open_loop(send: Send, schedule: list[float], max_concurrency: int | None = None) -> LevelRun:

@@ -28,7 +28,8 @@ ROW_FIELDS = {
     "draft_knew_prompts", "error_codes", "tokens", "seconds", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs",
     "per_stream_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
     "itl_ms_p90", "itl_ms_p99", "latency_ms_p50", "acceptance_rate", "tokens_per_round", "base", "ratio_vs_base",
-    "ratio_vs_base_min", "ratio_vs_base_max", "ratio_vs_k0",
+    "ratio_vs_base_min", "ratio_vs_base_max", "ratio_vs_k0", "steady_seconds", "steady_tokens_per_s",
+    "steady_ratio_vs_base",
 }  # fmt: skip
 
 
@@ -89,6 +90,32 @@ def test_rows_pool_the_repeats_of_one_k_and_load():
     assert row["latency_ms_p50"] == pytest.approx(1000)
 
 
+def _streamed(sent: float, *chunks: tuple[float, int]) -> RequestResult:
+    return RequestResult(1.0, tokens=sum(n for _, n in chunks), sent_s=sent, arrivals=chunks)
+
+
+def test_the_steady_state_counts_the_tokens_between_the_last_first_token_and_the_first_idle_stream():
+    # Two streams from t = 100; both had their first token by 101, the first ran out of requests at
+    # t = 102, the other ran on to 104.
+    run = LevelRun(
+        [
+            _streamed(100.0, (0.5, 10), (1.5, 10)),  # 100.5 (the opening wave) and 101.5
+            _streamed(100.0, (1.0, 10), (2.5, 10)),  # 101.0 and 102.5 (the tail)
+            _streamed(101.5, (0.5, 5), (1.0, 5), (2.0, 5)),  # 102.0, 102.5, 103.5
+            RequestResult(0.1, error="UNAVAILABLE", sent_s=100.0, arrivals=((1.2, 9),)),
+        ],
+        4.0,
+        steady=(101.0, 102.0),
+    )
+    assert run.tokens_in_steady_state() == 10 + 10 + 5
+    row = serve_bench.aggregate(0, Load(concurrency=2), [run, run])
+    assert row["steady_seconds"] == 2.0 and row["steady_tokens_per_s"] == 25
+    assert row["aggregate_tokens_per_s"] == 55 / 4
+    # An open loop has no such window.
+    open_row = serve_bench.aggregate(0, Load(rate=1.0), [LevelRun(run.results, 4.0)])
+    assert open_row["steady_tokens_per_s"] is None and open_row["steady_seconds"] is None
+
+
 def test_a_level_of_only_errors_still_makes_a_row():
     row = serve_bench.aggregate(0, Load(rate=2.0), [LevelRun([RequestResult(0.1, error="UNAVAILABLE")], 0.1)])
     assert row["requests"] == 0 and row["errors"] == 1 and row["aggregate_tokens_per_s"] == 0.0
@@ -113,6 +140,10 @@ def test_ratios_to_the_first_level_of_the_same_k_and_to_k0_of_the_same_level():
     assert (by[(0, "c=4")]["ratio_vs_base_min"], by[(0, "c=4")]["ratio_vs_base_max"]) == (2.0, 3.0)
     assert by[("auto", "c=4")]["ratio_vs_base"] == 2.0 and by[("auto", "c=1")]["ratio_vs_base"] == 1.0
     assert by[("auto", "c=1")]["ratio_vs_k0"] == pytest.approx(20 / 11) and by[(0, "c=1")]["ratio_vs_k0"] == 1.0
+    assert by[(0, "c=4")]["steady_ratio_vs_base"] is None  # rows without a steady-state figure
+    steady = serve_bench.add_ratios([{**_row(0, "c=1", [10]), "steady_tokens_per_s": 10.0},
+                                   {**_row(0, "c=8", [25]), "steady_tokens_per_s": 32.0}])  # fmt: skip
+    assert steady[1]["steady_ratio_vs_base"] == 3.2 and steady[1]["ratio_vs_base"] == 2.5
 
 
 def test_every_load_and_k_runs_once_per_repeat_with_the_k_order_rotated():
@@ -150,11 +181,12 @@ class InFlight:
         with self.lock:
             self.now += 1
             self.peak = max(self.peak, self.now)
-            self.starts.append((i, time.perf_counter()))
+            sent = time.perf_counter()
+            self.starts.append((i, sent))
         time.sleep(self.seconds)
         with self.lock:
             self.now -= 1
-        return RequestResult(self.seconds, self.seconds, (), 1)
+        return RequestResult(self.seconds, self.seconds, (), 1, sent_s=sent)
 
 
 def test_closed_loop_keeps_n_streams_in_flight_until_the_count():
@@ -164,6 +196,11 @@ def test_closed_loop_keeps_n_streams_in_flight_until_the_count():
     assert sorted(i for i, _ in send.starts) == list(range(10))
     # 10 requests on 4 streams take 3 request times (4 + 4 + 2); one after the other, 10.
     assert 0.15 <= run.seconds < 0.5
+    # The steady state: from the first wave's first tokens (at its end: InFlight's TTFT is its whole
+    # time) until the first stream found no request left, while two streams ran the last two.
+    first_wave_end = max(t for i, t in send.starts if i < 4) + 0.05
+    assert run.steady[0] == pytest.approx(first_wave_end, abs=0.02) and run.steady[1] - run.steady[0] >= 0.04
+    assert run.steady[1] < min(t for _, t in send.starts) + run.seconds - 0.03
 
 
 def test_closed_loop_stops_starting_requests_after_the_duration():
@@ -213,6 +250,8 @@ def test_stream_one_times_chunks_and_reads_the_final_stats():
     assert result.tokens == 3 and result.rounds == 2 and result.drafted == 3 and result.accepted == 1
     assert result.session_id == "s1" and not result.error
     assert len(result.itl_s) == 1 and result.itl_s[0] >= 0.01 and result.ttft_s <= result.latency_s
+    assert [n for _, n in result.arrivals] == [2, 1] and result.arrivals[0][0] == result.ttft_s
+    assert result.sent_s > 0
     failed = serve_bench.stream_one(FakeClient(fail=True), "hi")
     assert failed.error == "RESOURCE_EXHAUSTED" and failed.session_id == "s1"
 
