@@ -83,7 +83,8 @@ Per row (one K at one load level, pooled over --repeats):
   row   k, load, concurrency, request_rate, max_concurrency, repeats, requests, errors, error_codes, repeated_prompts,
         draft_knew_prompts (drafting requests whose prompt an earlier drafting run sent, at any K),
         tokens, seconds, aggregate_tokens_per_s, aggregate_tokens_per_s_runs (one per repeat),
-        steady_seconds, steady_tokens_per_s (null: an open loop, or no steady stretch), per_stream_tokens_per_s, request_throughput, ttft_ms_p50, ttft_ms_p90, ttft_ms_p99, itl_ms_p50,
+        steady_seconds, steady_tokens_per_s (null: an open loop, or no steady stretch),
+        per_stream_tokens_per_s, request_throughput, ttft_ms_p50, ttft_ms_p90, ttft_ms_p99, itl_ms_p50,
         itl_ms_p90, itl_ms_p99, latency_ms_p50, acceptance_rate, tokens_per_round, base, ratio_vs_base,
         ratio_vs_base_min, ratio_vs_base_max, steady_ratio_vs_base, ratio_vs_k0
 """
