@@ -302,8 +302,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_base"] = _ratio(r["aggregate_tokens_per_s"], base["aggregate_tokens_per_s"])
         r["ratio_vs_base_min"] = min(per_repeat) if per_repeat else None
         r["ratio_vs_base_max"] = max(per_repeat) if per_repeat else None
-        steady, steady_base = r.get("steady_tokens_per_s"), base.get("steady_tokens_per_s")
-        r["steady_ratio_vs_base"] = _ratio(steady, steady_base) if steady is not None and steady_base else None
+        steady = r.get("steady_tokens_per_s")
+        r["steady_ratio_vs_base"] = None if steady is None else _ratio(steady, base.get("steady_tokens_per_s"))
         same_level = k0.get(r["load"])
         r["ratio_vs_k0"] = (
             _ratio(r["aggregate_tokens_per_s"], same_level["aggregate_tokens_per_s"]) if same_level else None
