@@ -78,7 +78,7 @@ struct Q4 {
     const void *scale, *offset;  // this panel's [K / 32][32]
     static constexpr int SHIFT = 0, GROUP_BYTES = 64;  // (of a group of 4 inputs)
     inline void group(long g, __m512i* w) const {  // inputs 4g .. 4g + 3 of outputs 0-15, 16-31
-        const __m512i low = _mm512_set1_epi8(15), both = _mm512_loadu_si512(packed + g * 64);
+        const __m512i low = _mm512_set1_epi8(15), both = _mm512_loadu_si512(packed + g * GROUP_BYTES);
         w[0] = _mm512_and_si512(both, low);
         w[1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
     }
@@ -92,21 +92,23 @@ struct Q8 {
     const void* offset = nullptr;
     static constexpr int SHIFT = 7, GROUP_BYTES = 128;
     inline void group(long g, __m512i* w) const {
-        w[0] = _mm512_loadu_si512(packed + g * 128);
-        w[1] = _mm512_loadu_si512(packed + g * 128 + 64);
+        w[0] = _mm512_loadu_si512(packed + g * GROUP_BYTES);
+        w[1] = _mm512_loadu_si512(packed + g * GROUP_BYTES + 64);
     }
 };
 
-// The panel to prefetch (AHEAD): its levels, scales and offsets (each null: none).
+// The panel to prefetch (AHEAD): its levels, scales and offsets (levels and scales null: none; offsets
+// null for 8-bit levels).
 struct Next {
     const char *levels, *scale, *offset;
 };
 
 // Block b's scales and offsets of the panel `next` into L2.
 template <bool HALF> static inline void prefetch_scales(const Next& next, long b) {
+    if (next.scale == nullptr) return;
     const long bytes = PANEL * (HALF ? 2 : 4);
     for (long i = 0; i < bytes; i += LINE) {
-        if (next.scale) __builtin_prefetch(next.scale + b * bytes + i, 0, 2);
+        __builtin_prefetch(next.scale + b * bytes + i, 0, 2);
         if (next.offset) __builtin_prefetch(next.offset + b * bytes + i, 0, 2);
     }
 }
@@ -212,9 +214,9 @@ static void part_panel(const Part& part, long p, const int8_t* qx, const float* 
             panel_all_rows<false>(w, next, qx, dx, sx, qs, M, K, (float*)part.y, part.out, p * PANEL);
     };
     if (q4)
-        rows(Q4{packed + p * K * 16, scale, offset});
+        rows(Q4{packed + p * level_bytes, scale, offset});
     else
-        rows(Q8{packed + p * K * PANEL, scale});
+        rows(Q8{packed + p * level_bytes, scale});
 }
 
 // The products of `count` parts with the same x [M, K]: x rounded once, and all their panels in one
