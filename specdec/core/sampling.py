@@ -206,6 +206,23 @@ def speculative_round(
     return RoundResult(accepted, None, bonus)
 
 
+def greedy_round(draft_token_ids: list[int], target_tokens: np.ndarray) -> RoundResult:
+    """`speculative_round` of point masses against greedy target laws, given by their tokens alone.
+
+    draft_token_ids: [K]; target_tokens: [K + 1], p_i the point mass on target_tokens[i]. Then
+    A(x_i) = p_i(x_i) is 1 or 0, so every uniform in [0, 1) gives the same verdict: x_i is accepted
+    iff it is the target's token. At the first rejection the residual, p_i without x_i, is p_i itself
+    (x_i has no mass there), so the recovered token is the target's, as is the bonus. No pass over
+    the vocabulary: the same tokens as `speculative_round` on the one-hot laws (tests check it).
+    """
+    if len(target_tokens) != len(draft_token_ids) + 1:
+        raise ValueError(f"shape mismatch: {len(draft_token_ids)} draft tokens, {len(target_tokens)} target tokens")
+    for i, token in enumerate(draft_token_ids):
+        if token != target_tokens[i]:
+            return RoundResult(list(draft_token_ids[:i]), int(target_tokens[i]), None)
+    return RoundResult(list(draft_token_ids), None, int(target_tokens[-1]))
+
+
 # ---------------------------------------------------------------- randomness
 
 

@@ -14,6 +14,7 @@ from specdec.core.sampling import (
     acceptance_rate,
     derive_seed,
     draw,
+    greedy_round,
     normalize,
     output_law,
     recovered_probs,
@@ -22,7 +23,7 @@ from specdec.core.sampling import (
     sample_token,
     speculative_round,
 )
-from specdec.models.warping import to_wire, warp_logits, wire_laws
+from specdec.models.warping import greedy_tokens, to_wire, warp_logits, wire_laws
 
 
 def test_seed_article_example_exactly():
@@ -175,6 +176,24 @@ def test_a_point_mass_round_is_the_one_hot_round_number_for_number():
         assert speculative_round(tokens, None, target, np.random.default_rng(seed)) == dense
 
 
+def test_a_greedy_round_is_the_one_hot_round_token_for_token():
+    """Point masses against greedy laws: `greedy_round` on the laws' tokens gives what
+    `speculative_round` gives on the one-hot laws, whatever the uniforms."""
+    rng = np.random.default_rng(13)
+    vocab = 50
+    for case in range(400):
+        k = int(rng.integers(0, 6))
+        target_tokens = rng.integers(0, 3, k + 1)  # few tokens, so drafts often match
+        laws = np.zeros((k + 1, vocab), np.float32)
+        laws[np.arange(k + 1), target_tokens] = 1.0
+        tokens = [int(t) for t in rng.integers(0, 3, k)]
+        one_hot = speculative_round(tokens, None, laws, np.random.default_rng(case))
+        assert greedy_round(tokens, target_tokens) == one_hot
+        assert all(type(t) is int for t in greedy_round(tokens, target_tokens).tokens)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        greedy_round([1, 2], np.array([1, 2]))
+
+
 def test_round_emits_between_one_and_k_plus_one_tokens():
     rng = np.random.default_rng(0)
     vocab, k = 6, 4
@@ -276,6 +295,20 @@ def test_greedy_takes_the_first_argmax_in_any_dtype(dtype):
     wide[2, 100] = wide[2, 40000] = wide[2].max() + 1
     expected = torch.zeros(wide.shape, dtype=torch.float32).scatter_(-1, wide.argmax(-1, keepdim=True), 1.0)
     assert torch.equal(warp_logits(wide, Sampling(0.0)), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_greedy_tokens_are_the_greedy_laws_tokens(dtype):
+    """What the target's own rounds read at T = 0 instead of the one-hot laws: the same tokens, the
+    same errors."""
+    logits = torch.randn(6, 2 * 4099, generator=torch.Generator().manual_seed(9)).to(dtype)[:, ::2]
+    logits[2, 10] = logits[2, 4000] = logits[2].max() + 1  # a tie: the first index wins
+    tokens = greedy_tokens(logits)
+    assert tokens.shape == (6,) and tokens[2] == 10
+    np.testing.assert_array_equal(tokens, np.argmax(wire_laws(logits, Sampling(0.0)), axis=-1))
+    for bad, message in (([0.0, float("nan")], "NaN or"), ([-float("inf")] * 2, "all -inf")):
+        with pytest.raises(NonFiniteLogitsError, match=message):
+            greedy_tokens(torch.tensor([[0.0, 1.0], bad], dtype=dtype))
 
 
 @pytest.mark.parametrize(
