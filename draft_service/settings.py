@@ -25,7 +25,7 @@ class DraftSettings(LookupSettings, ModelServerSettings):
     matmul_dtype: str = setting(
         "auto",
         "MATMUL_DTYPE",
-        "a float32 draft on CPU: auto = int8 products where the CPU has AVX-512 VNNI, the weights rounded "
+        "a float32 draft on CPU: auto = int8 products where the CPU has AVX2, the weights rounded "
         "to 8-bit blocks (GGUF's Q8_0) first, else float32 | int8 (as auto, or an error) | bfloat16 | float32",
     )
     metrics_port: int = setting(9102, "METRICS_PORT", "Prometheus /metrics port (-1 = off, 0 = any free port)")

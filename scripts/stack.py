@@ -9,7 +9,7 @@ OpenAI-compatible gateway (HTTP, port 8000).
 Environment: SPECDEC_TARGET_MODEL / SPECDEC_DRAFT_MODEL choose the pair (default: the
 packaged SmolLM2-135M-Instruct as target, and the model-free `suffix` draft over the target's
 tokenizer, the best measured configuration for a mixed workload: README "Speed, honestly"),
-SPECDEC_TARGET_MATMUL_DTYPE its products (default auto: int8 where the CPU has AVX-512 VNNI and the
+SPECDEC_TARGET_MATMUL_DTYPE its products (default auto: int8 where the CPU has AVX2 and the
 weights are 4- or 8-bit blocks, as the packaged target's are; README "Configuration"), REDIS_URL
 uses an existing Redis, SPECDEC_DEMO_PROMPT changes the demo prompt and SPECDEC_DEMO_K its K
 (default: auto). Without SPECDEC_DEMO_PROMPT, `run` then compares speculation with the target

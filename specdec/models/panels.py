@@ -57,7 +57,8 @@ MAX_ROWS = 128
 # AMX (ms): 576 -> 1536 1.66 / 0.81, 1536 -> 576 1.63 / 0.98, 576 -> 576 0.58 / 0.42.
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # What kernels/int8.cpp runs: the integer products of a model whose matmul_dtype is int8 (`Int8Q4Panels`).
-INT8_FLAGS = frozenset({"avx512_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+INT8_FLAGS = frozenset({"avx2", "fma", "f16c"})  # AVX2's integer sums
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq"})  # the same sums, 4x wider
 # One library: the products here (and on AMX tiles, kernels/amx.cpp), the attention of ragged steps
 # (kernels/attention.cpp, ragged.py) and whole decoder layers (kernels/layers.cpp, fused.py).
 SOURCES = tuple(
@@ -200,6 +201,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.int8_built.restype = ctypes.c_int
     lib.int8_products.argtypes = [ptr, size, size, ptr, size]
     lib.int8_products.restype = ctypes.c_int
+    lib.int8_use_vnni.argtypes = [ctypes.c_int]
+    lib.int8_use_vnni.restype = None
+    lib.int8_use_vnni(int(VNNI_FLAGS <= _cpu_flags()))  # (the same bits either way: faster with VNNI)
     return lib
 
 
@@ -412,7 +416,7 @@ def to_int8(compact: Q4Panels | Q8Panels) -> Int8Q4Panels | Int8Q8Panels:
 
 @functools.lru_cache(maxsize=1)
 def int8_available() -> bool:
-    """Whether int8 products run here: the CPU has AVX-512 VNNI and the kernels loaded."""
+    """Whether int8 products run here: the CPU has AVX2 (AVX-512 VNNI: faster) and the kernels loaded."""
     if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
         return False
     lib = kernel_library()

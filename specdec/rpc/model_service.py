@@ -97,7 +97,7 @@ class ModelServerSettings(ServerTlsSettings):
         "float32 models on CPU: bfloat16 = the decoder layers' linear products in bfloat16 (for CPUs with AMX; "
         "each position computed as a one-token decode computes it, so the law stays exact) | int8 = every "
         "product of a 4- or 8-bit (GGUF) weight with its rows rounded to 8-bit blocks, llama.cpp's arithmetic "
-        "(AVX-512 VNNI; another model's numerics, ~3x cheaper rows) | auto = int8 where the CPU and the "
+        "(AVX2, faster with AVX-512 VNNI; another model's numerics, ~2-3x cheaper rows) | auto = int8 where the CPU and the "
         "weights allow it, else float32 | float32",
     )
     kv_cache_dtype: str = setting(
@@ -413,7 +413,7 @@ def use_kv_cache_dtype(runner, setting: str, role: str) -> None:
 
 def int8_matmuls_wanted(setting: str, runner) -> bool:
     """Whether a service's MATMUL_DTYPE setting asks for int8 products (kernels/int8.cpp) here: they
-    need a float32 model running eagerly on a CPU with AVX-512 VNNI (int8 without them is a
+    need a float32 model running eagerly on a CPU with AVX2 (int8 without them is a
     ValueError; auto then means float32)."""
     import torch
 
@@ -432,7 +432,7 @@ def int8_matmuls_wanted(setting: str, runner) -> bool:
     if not eager_cpu:
         raise ValueError("matmul_dtype int8 needs a float32 model running eagerly on CPU")
     if not panels.int8_available():
-        raise ValueError("matmul_dtype int8 needs a CPU with AVX-512 VNNI and the compiled kernels (see the log)")
+        raise ValueError("matmul_dtype int8 needs a CPU with AVX2 and the compiled kernels (see the log)")
     return True
 
 

@@ -49,7 +49,7 @@ def real_stack(redis_url, request):
     if request.param == "bfloat16" and not bf16_supported():
         pytest.skip("this torch build has no oneDNN bfloat16 matmul")
     if request.param == "int8" and not panels.int8_available():
-        pytest.skip("no AVX-512 VNNI on this CPU")
+        pytest.skip("no int8 products on this CPU (AVX2)")
     settings = load_settings(ModelServerSettings, [], {}, model=DEFAULT, matmul_dtype=request.param)
     target = load_model(settings, "target")
     draft_model = _shallow_draft(target.runner.model, 6)

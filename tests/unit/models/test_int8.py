@@ -2,7 +2,7 @@
 weights, computed as stated (x rounded per block of 32, exact integer sums, the scales applied
 block by block), each row's result independent of the rows and threads beside it, and a model
 whose every such product runs so gives a batched step and a Verify the bits of its solo decodes.
-The product tests need AVX-512 VNNI (AMD Zen 4, Intel Ice Lake and later) and skip elsewhere."""
+The product tests need AVX2 (AVX-512 VNNI where the CPU has it: the same bits) and skip elsewhere."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.unit.models.test_panels import (
     assert_rows_alone,
 )
 
-needs_int8 = pytest.mark.skipif(not panels.int8_available(), reason="no AVX-512 VNNI on this CPU")
+needs_int8 = pytest.mark.skipif(not panels.int8_available(), reason="no int8 products on this CPU (AVX2)")
 Q4_TOPS, Q8_TOPS = tuple(range(15, 0, -1)), (127, 126, 128, 125)
 FORMS = {"q4": (_q4_weight, dict(offset=True, tops=Q4_TOPS, low=0, high=15)), "q8": (_q8_weight, {})}
 
@@ -69,6 +69,52 @@ def test_an_8_bit_weights_sign_survives_the_unsigned_levels():
     x = torch.ones(1, 64)
     got = panels.product(x, panels.to_int8(panels.pack_q8(weight)), 32)
     torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-6)
+
+
+@needs_int8
+@pytest.mark.parametrize("form", FORMS)
+def test_the_largest_sums_do_not_saturate(form):
+    """AVX2 sums byte products in 16-bit pairs (a 4-bit block's 8 groups there too): at the extreme
+    levels, 15 (4-bit) and -128 (8-bit) against qx = +-127, every sum is still exact."""
+    n, k = 32, 64
+    q = torch.full((n, k), 15.0) if form == "q4" else torch.full((n, k), -128.0)
+    q[:, 5] = 0 if form == "q4" else 127  # (a span that only these levels reproduce)
+    d = torch.full((n, k // 32, 1), 2.0**-7)
+    weight = (q.reshape(n, k // 32, 32) * d).reshape(n, k)
+    levels, scale, offset = _levels(form, weight)
+    assert levels.max() == 15 if form == "q4" else levels.min() == -128
+    x = torch.ones(3, k) if form == "q4" else -torch.ones(3, k)  # every product the same sign
+    x[1] *= -1
+    got = panels.product(x, panels.to_int8(panels.pack_compact(weight)), n)
+    stated = stated_arithmetic(x, levels, scale, offset)
+    assert float((got.double() - stated).abs().max() / stated.abs().max()) < 1e-6
+
+
+@pytest.mark.skipif(
+    not (panels.int8_available() and panels.VNNI_FLAGS <= panels._cpu_flags()), reason="no AVX-512 VNNI here"
+)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
+def test_avx2_and_vnni_give_the_same_bits(form, rows):
+    """Which instructions sum the levels changes no bit of any row (AVX2's passes of 2 rows over a
+    whole panel or 6 over half of it, VNNI's of 6), float16 and float32 scales alike."""
+    lib = panels.kernel_library()
+    weight = FORMS[form][0](100, 576, rows)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576)
+    compact, nudge = panels.pack_compact(weight), 1 + 2.0**-13  # (scales that are no float16)
+    if form == "q4":
+        nudged = panels.Q4Panels(compact.nibbles, compact.scale * nudge, compact.offset)
+    else:
+        nudged = panels.Q8Panels(compact.levels, compact.scale * nudge)
+    for copy in (compact, nudged):
+        int8 = panels.to_int8(copy)
+        try:
+            lib.int8_use_vnni(0)
+            avx2 = panels.product(x, int8, 100)
+        finally:
+            lib.int8_use_vnni(1)
+        assert torch.equal(avx2, panels.product(x, int8, 100))
 
 
 @needs_int8
