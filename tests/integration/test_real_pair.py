@@ -77,7 +77,10 @@ def test_default_pair_greedy_equals_target_only(real_stack):
     stats = speculative.stats
     print(f"real pair: acceptance {stats.acceptance_rate:.3f}, {stats.mean_tokens_per_round:.2f} tokens/round")
     assert stats.recovered_tokens > 0  # the shallow draft disagrees: the residual path ran
-    # And both equal Hugging Face's own greedy decoding of the target.
+    # And both equal Hugging Face's own greedy decoding of the target, wherever Hugging Face agrees
+    # with itself: at a near-tie its incremental decode and its forward over the whole sequence can
+    # pick different tokens (int8 on an AVX2 EPYC, token 19: its forward's top two 0.02 apart, the
+    # decode's token second), and no arithmetic but its own decode's could match both there.
     from specdec.models.sources import load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT)
@@ -91,7 +94,11 @@ def test_default_pair_greedy_equals_target_only(real_stack):
         reference = target.runner.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, min_new_tokens=32
         )
-    assert tokens == reference[0, ids.shape[1] :].tolist()
+        forced = target.runner.model(reference).logits[0, ids.shape[1] - 1 : -1].argmax(-1)  # [32]
+    decoded = reference[0, ids.shape[1] :]
+    agreed = next((i for i in range(len(decoded)) if forced[i] != decoded[i]), len(decoded))
+    assert agreed >= 16, agreed  # (Hugging Face's two paths part where the model is near a tie)
+    assert tokens[:agreed] == decoded[:agreed].tolist()
 
 
 def test_the_packaged_targets_decoder_weights_pack_as_4_bit_panels():
