@@ -75,17 +75,26 @@ def test_an_8_bit_weights_sign_survives_the_unsigned_levels():
 @pytest.mark.parametrize("form", FORMS)
 def test_the_largest_sums_do_not_saturate(form):
     """AVX2 sums byte products in 16-bit pairs (a 4-bit block's 8 groups there too): at the extreme
-    levels, 15 (4-bit) and -128 (8-bit) against qx = +-127, every sum is still exact."""
+    levels, 15 (4-bit) and -128 and 127 (8-bit: as |q| and as the stored q + 128 = 255) against
+    qx = +-127, every sum is still exact."""
     n, k = 32, 64
-    q = torch.full((n, k), 15.0) if form == "q4" else torch.full((n, k), -128.0)
-    q[:, 5] = 0 if form == "q4" else 127  # (a span that only these levels reproduce)
+    x = torch.ones(3, k)
+    if form == "q4":
+        q = torch.full((n, k), 15.0)
+        q[:, 5] = 0  # (a span that only these levels reproduce)
+    else:  # each block's first half -128, its second 127; x's signs make every product positive
+        q = torch.full((n, k // 32, 32), 127.0)
+        q[:, :, :16] = -128
+        q = q.reshape(n, k)
+        x[:, (torch.arange(k) % 32) < 16] = -1
+    x[1] *= -1  # (and a row of negative products)
     d = torch.full((n, k // 32, 1), 2.0**-7)
     weight = (q.reshape(n, k // 32, 32) * d).reshape(n, k)
     levels, scale, offset = _levels(form, weight)
-    assert levels.max() == 15 if form == "q4" else levels.min() == -128
-    x = torch.ones(3, k) if form == "q4" else -torch.ones(3, k)  # every product the same sign
-    x[1] *= -1
-    got = panels.product(x, panels.to_int8(panels.pack_compact(weight)), n)
+    assert levels.max() == 15 if form == "q4" else (levels.min(), levels.max()) == (-128, 127)
+    # (Two levels a block would also pack as 4-bit levels with an offset: the 8-bit form is asked for.)
+    compact = panels.pack_compact(weight) if form == "q4" else panels.pack_q8(weight)
+    got = panels.product(x, panels.to_int8(compact), n)
     stated = stated_arithmetic(x, levels, scale, offset)
     assert float((got.double() - stated).abs().max() / stated.abs().max()) < 1e-6
 
