@@ -85,12 +85,12 @@ def _rounds_task(request: VerifyRequest, lookup: Drafter | None) -> Task:
             or lookup_matches(tokens, request.stop_ngram)
         ):
             break
-    laws = np.empty((0, 0), np.float32)
+    no_laws = np.empty((0, 0), np.float32)  # (the decoded tokens are the answer)
     rounds = tuple(played) if request.lookup_k else ()
     cut = tuple(proposed) if any(p > d for p, (d, _) in zip(proposed, played, strict=True)) else ()
     step = (result.step_sequences, result.step_rows)
     timed = tuple(seconds) if request.lookup_k else ()
-    return VerifyResult(laws, first.cached_tokens, None, *step, tuple(decoded), rounds, cut, timed)
+    return VerifyResult(no_laws, first.cached_tokens, None, *step, tuple(decoded), rounds, cut, timed)
 
 
 @dataclass(frozen=True)
