@@ -30,8 +30,7 @@
 #include "vector_math.h"  // v8 / v16, WIDEST: a head of d floats uses the widest vector that divides
                           // d (SmolLM2's 64: four of 16); exp_neg
 
-#define MAX_ROWS 4  // query rows a pass keeps
-#define MAX_ACC 16  // their accumulators, in vectors: within the register file
+#define MAX_ROWS 4  // query rows a pass attends
 #define AHEAD 32    // positions ahead whose keys / values are prefetched
 #define LINE 64     // bytes of a cache line (prefetches)
 
@@ -168,6 +167,43 @@ static void softmax_weights(const Row* rows, long last, float* scores, long stri
     }
 }
 
+// The vectors of a head whose value sums a pass keeps at once (CHUNK, a divisor of VECS): as many as
+// keep ROWS rows' accumulators and the values beside them in the registers (AVX-512's 32 hold a
+// SmolLM2 head's 4 vectors for 4 rows; AVX2's 16, 2 of its 8), the positions' weights and values
+// read again for each further chunk. So a pass attends MAX_ROWS rows on either, each key read and
+// widened once for all of them. Each output lane sums its positions in order whatever the chunks:
+// they do not change a row's bits.
+static constexpr int chunk_vecs(int vecs, int rows, int width) {
+    const int registers = width == 8 ? 16 : 32;
+    int chunk = vecs;
+    while (chunk > 1 && ((rows + 1) * chunk >= registers || vecs % chunk != 0)) chunk--;
+    return chunk;
+}
+
+// Outputs l0 .. l0 + CHUNK - 1 (in vectors) of ROWS rows: their weights (in place of their scores)
+// times the values, summed in position order, over their weights' totals.
+template <class V, int CHUNK, int ROWS, class S>
+static inline void weighted_values(const Row* rows, const Span<S>& values, int l0, long last, const float* scores,
+                                   long stride, const float* total) {
+    const int W = Lanes<V>::width;
+    V acc[ROWS][CHUNK] = {};
+    for (long j = 0; j < last; j++) {
+        V value[CHUNK];
+        const S *at = values.at(j) + l0 * W, *ahead = values.at(j + AHEAD) + l0 * W;
+        for (long b = 0; b < CHUNK * W; b += LINE / sizeof(S)) __builtin_prefetch(ahead + b, 0, 3);
+        for (int l = 0; l < CHUNK; l++) value[l] = load<V>(at + l * W);
+        for (int r = 0; r < ROWS; r++) {
+            const float w = scores[r * stride + j];
+            for (int l = 0; l < CHUNK; l++) acc[r][l] += w * value[l];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int l = 0; l < CHUNK; l++) {
+            V o = acc[r][l] / total[r];
+            memcpy(rows[r].out + (l0 + l) * W, &o, sizeof(o));
+        }
+}
+
 // ROWS rows against one key/value head: their scores over positions 0 .. last - 1 (last: the most
 // any of them sees) into scores[r * stride + j], then weights, then their outputs.
 template <class V, int VECS, int ROWS, class S>
@@ -204,31 +240,12 @@ static void attend_rows(const Row* rows, const Span<S>& keys, const Span<S>& val
     softmax_weights<V, ROWS>(rows, last, scores, stride, total);
     // A zero weight adds an exact zero to a row's sums: a row that sees fewer positions than `last`
     // gets the bits it would alone.
-    V acc[ROWS][VECS] = {};
-    for (long j = 0; j < last; j++) {
-        V value[VECS];
-        const S *at = values.at(j), *ahead = values.at(j + AHEAD);
-        for (long b = 0; b < dim; b += LINE / sizeof(S)) __builtin_prefetch(ahead + b, 0, 3);
-        for (int l = 0; l < VECS; l++) value[l] = load<V>(at + l * W);
-        for (int r = 0; r < ROWS; r++) {
-            const float w = scores[r * stride + j];
-            for (int l = 0; l < VECS; l++) acc[r][l] += w * value[l];
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int l = 0; l < VECS; l++) {
-            V o = acc[r][l] / total[r];
-            memcpy(rows[r].out + l * W, &o, sizeof(o));
-        }
+    constexpr int CHUNK = chunk_vecs(VECS, ROWS, W);
+    for (int l0 = 0; l0 < VECS; l0 += CHUNK)
+        weighted_values<V, CHUNK, ROWS>(rows, values, l0, last, scores, stride, total);
 }
 
-// Query rows a pass attends together, for heads of `vecs` vectors: as many as keep their
-// accumulators within the register file.
-static constexpr long pass_rows(long vecs) {
-    return MAX_ACC / vecs < 1 ? 1 : (MAX_ACC / vecs > MAX_ROWS ? MAX_ROWS : MAX_ACC / vecs);
-}
-
-// One pass over one key/value head: `count` (at most pass_rows(VECS)) of the segment's query rows
+// One pass over one key/value head: `count` (at most MAX_ROWS) of the segment's query rows
 // of that head, from `first` in (row, query head of the group) order, so that each key and value is
 // read once for all of them.
 template <class V, int VECS, class S>
@@ -331,7 +348,7 @@ extern "C" void ragged_attention(const float* q, long q_token, long q_head, cons
     // SmolLM2's 3 key/value heads make 12, where one task per head kept one of two threads idle a
     // third of the time; a prompt's rows spread over the threads alike. Which task or thread runs a
     // pass does not change its rows' results.
-    const long per_pass = pass_rows(dim / width_for(dim));
+    const long per_pass = MAX_ROWS;
     long tasks = 0;
     for (long s = 0; s < count; s++) tasks += (segments[s].rows * group + per_pass - 1) / per_pass * kv_heads;
 #pragma omp parallel
