@@ -189,11 +189,13 @@ namespace avx2 {
 
 // Rows a pass, and how a pass covers a panel's outputs (4 vectors of 8): up to WHOLE rows take
 // all 4 in one pass, 4 integer sums a row; more take half of them (the bytes of half of each group)
-// a pass, 2 sums a row, so 6 rows fit the 16 ymm beside the weights' 2, and the second half reads
-// the panel from cache. SmolLM2's steps at 550 cached tokens on an AVX2 EPYC, against 2 rows a pass
-// of all 4 at every row count: halves throughout 7-17% slower at 1-2 rows, 7-9% faster at 5; this
-// mix within 2% at 1-2 rows, 0.96x at 3 and 0.84x at 5.
-constexpr int GROUP = 6, WHOLE = 2;
+// a pass, 2 sums a row, the second half reading the panel from cache. Past 2 rows whole or 5 in
+// halves the sums outgrow the 16 ymm and some spill to the stack; measured regardless, on SmolLM2's
+// steps at 550 cached tokens on an AVX2 EPYC: against 2 rows a pass of all 4 at every row count,
+// halves throughout were 7-17% slower at 1-2 rows and 7-9% faster at 5; against halves, whole
+// passes of 3 rows 0.87-0.93x, of 4 0.94-1.04x a step (the products alone 0.92x), of 5 and 6 rows
+// 1.10x and 1.09x (the products alone). Two passes over a panel (GROUP 3-5) were slower still.
+constexpr int GROUP = 6, WHOLE = 4;
 
 // vnni::quantize, 8 lanes at a time: the same levels, sums and scales.
 static void quantize(const float* x, long K, int8_t* q, float* dx, float* sx, int32_t* qs) {
